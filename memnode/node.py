@@ -1,0 +1,324 @@
+"""MemoryNode: the memory-node service logic, independent of any transport (DESIGN.md §3-§4).
+
+A node owns one :class:`KVPool` and its :class:`SlabAllocator`, holds at most one shard (a
+contiguous position range) per request, and answers plain method calls taking and returning
+the dataclasses of :mod:`lamina.types`:
+
+* ``prepare(PrepareMsg)`` - reserve slots for the step's appended tokens and precompute the
+  kernel indices, kept per ``step_id`` so several micro-batches can be in flight.
+* ``attend(AttendMsg) -> AttendResult`` - store the layer's k/v, run paged attention.
+* ``free(req_ids)``, ``free_range``, ``export``, ``import_kv``, ``fork``, ``cancel``, ``stats``.
+
+Semantics (the contract other components rely on):
+
+* **Shards.** Appended positions must start at the request's shard end on this node, or open
+  its first shard here (at any ``append_start``). ``import_kv`` may also extend a shard at its
+  front. A request may be in at most one in-flight step per node (step s+1 of a micro-batch
+  needs the token sampled in step s), so a request in flight is *busy*.
+* **PREPARE validation.** Counts and positions are >= 0; a request appears at most once per
+  step; a work with ``num_append == 0`` must name a request this node holds (queries sent to a
+  node that holds nothing of the request are a scheduler bug: :class:`UnknownRequest`); when a
+  work has both queries and appends, its last query must not precede its last appended position
+  (``q_start + num_q >= append_start + num_append``). ``num_q == 0`` (store only) is allowed.
+* **All-or-nothing.** Every method validates, then allocates (the only step that may run out:
+  :class:`OutOfSlots`), then commits. On any exception the node is unchanged, with one
+  exception: ``attend`` writes the layer's k/v before calling the kernel, so a failing kernel
+  leaves that layer's appended K/V written (harmless; the layer may be attended again).
+* **Steps.** A step's state is dropped after every layer has been attended once (layers in any
+  order; attending a layer twice is an error). ``cancel(step_id)`` drops a step early and rolls
+  its appends back (the slots return to the pool; a shard the step opened disappears).
+* **free.** ``free(req_ids)`` ignores ids this node does not hold (the engine frees finished
+  requests on every node) and returns the ids it freed. Freeing a busy request removes it at
+  once; its slots go back to the pool when its step finishes or is cancelled, so the in-flight
+  kernel never reads reused slots.
+* **Export/import/fork** touch only the written part of a shard (positions whose K/V is in
+  every layer); ``free_range``/``import_kv`` refuse busy requests (:class:`RequestBusy`).
+  Moving a shard is ``dst.import_kv(src.export(r, a, b))`` then ``src.free_range(r, a, b)``
+  where ``[a, b)`` is a prefix or suffix of the source shard.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from lamina.kernels import paged_attention
+from lamina.memnode.allocator import OutOfSlots, SlabAllocator
+from lamina.memnode.kv_pool import KVPool
+from lamina.memnode.plan import StepState, build_step
+from lamina.memnode.shard import Shard
+from lamina.types import (AttendMsg, AttendResult, AttentionSpec, KVChunk, NodeStats, PrepareMsg,
+                          ShardWork)
+
+__all__ = ["MemoryNode", "OutOfSlots", "UnknownRequest", "UnknownStep", "RequestBusy"]
+
+
+class UnknownRequest(LookupError):
+    """The node holds no shard of this request."""
+
+
+class UnknownStep(LookupError):
+    """No prepared step with this id (never prepared, finished, or cancelled)."""
+
+
+class RequestBusy(RuntimeError):
+    """The request is part of an in-flight step; the operation must wait until it finishes."""
+
+
+class MemoryNode:
+    """One memory node: a KV pool, its allocator, the shards it holds and its prepared steps.
+
+    ``specs`` has one AttentionSpec per attention layer; ``AttendMsg.layer`` names
+    ``spec.layer`` and pool layer ``i`` stores ``specs[i]``. All layers must share
+    ``num_kv_heads`` and ``head_dim`` (one pool shape). Give either ``pool`` or
+    ``capacity_slots`` (then a pool of ``dtype`` on ``device`` is created).
+    """
+
+    def __init__(self, specs: Sequence[AttentionSpec], capacity_slots: int | None = None, *,
+                 pool: KVPool | None = None, slab_size: int = 256,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.specs = list(specs)
+        if not self.specs:
+            raise ValueError("a memory node needs at least one AttentionSpec")
+        hkv, d = self.specs[0].num_kv_heads, self.specs[0].head_dim
+        if any(s.num_kv_heads != hkv or s.head_dim != d for s in self.specs):
+            raise ValueError("all layers of one node must share num_kv_heads and head_dim")
+        self._layer_index = {s.layer: i for i, s in enumerate(self.specs)}
+        if len(self._layer_index) != len(self.specs):
+            raise ValueError("AttentionSpec.layer values must be distinct")
+        if pool is None:
+            if capacity_slots is None:
+                raise ValueError("give either pool or capacity_slots")
+            pool = KVPool(len(self.specs), hkv, d, capacity_slots, dtype, device)
+        elif (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (len(self.specs), hkv, d):
+            raise ValueError("pool shape does not match the AttentionSpecs")
+        self.pool = pool
+        self.allocator = SlabAllocator(pool.capacity, slab_size)
+        self._windows = {s.window for s in self.specs}
+        self._shards: dict[int, Shard] = {}
+        self._steps: dict[int, StepState] = {}
+
+    # -- PREPARE ------------------------------------------------------------------------------
+    def prepare(self, msg: PrepareMsg) -> None:
+        """Reserve slots for ``msg.works``' appends and precompute the step's kernel indices.
+
+        Raises ValueError (bad plan), UnknownRequest, RequestBusy or OutOfSlots; in every case
+        the node is unchanged.
+        """
+        if msg.step_id in self._steps:
+            raise ValueError(f"step {msg.step_id} is already prepared on this node")
+        works = list(msg.works)
+        seen: set[int] = set()
+        shards = [self._check_work(w, seen) for w in works]
+        counts = [w.num_append for w in works]
+        slots = self.allocator.alloc(sum(counts))  # may raise OutOfSlots: nothing changed yet
+        try:
+            new_slots = np.split(slots, np.cumsum(counts)[:-1]) if works else []
+            step = build_step(msg.step_id, works, shards, new_slots, self._windows,
+                              len(self.specs), self.pool.device)
+        except BaseException:
+            self.allocator.free(slots)
+            raise
+        for w, sh, new in zip(works, shards, new_slots):  # commit: nothing below can fail
+            if sh is None:
+                sh = self._shards[w.req_id] = Shard(w.append_start, new)
+            else:
+                sh.append(new)
+            sh.pending, sh.step = w.num_append, msg.step_id
+            step.shards.append(sh)
+        self._steps[msg.step_id] = step
+
+    def _check_work(self, w: ShardWork, seen: set[int]) -> Shard | None:
+        if min(w.q_start, w.num_q, w.append_start, w.num_append) < 0:
+            raise ValueError(f"request {w.req_id}: negative position or count in {w}")
+        if w.req_id in seen:
+            raise ValueError(f"request {w.req_id} appears twice in one step")
+        seen.add(w.req_id)
+        if w.num_q and w.num_append and w.q_start + w.num_q < w.append_start + w.num_append:
+            raise ValueError(f"request {w.req_id}: appended positions beyond the last query")
+        sh = self._shards.get(w.req_id)
+        if sh is None:
+            if w.num_append == 0:
+                raise UnknownRequest(f"request {w.req_id}: queries sent to a node that holds "
+                                     f"no shard of it")
+            return None
+        if sh.step is not None:
+            raise RequestBusy(f"request {w.req_id} is already in step {sh.step}")
+        if w.num_append and w.append_start != sh.end:
+            raise ValueError(f"request {w.req_id}: append at {w.append_start} does not extend "
+                             f"its shard [{sh.start}, {sh.end}) contiguously")
+        return sh
+
+    # -- ATTEND -------------------------------------------------------------------------------
+    def attend(self, msg: AttendMsg) -> AttendResult:
+        """Store the layer's appended k/v, then attend the step's queries over the shards.
+
+        ``msg.q[Tq, H, D]`` and ``msg.k/v[Ta, Hkv, D]`` are in plan order (any device; moved to
+        the pool's). Returns ``o[Tq, H, D]`` (q's dtype) and ``lse[Tq, H]`` (float32) on the
+        pool's device; ``lse == -inf`` for queries that see no key here.
+        """
+        step = self._steps.get(msg.step_id)
+        if step is None:
+            raise UnknownStep(f"step {msg.step_id} is not prepared on this node")
+        li = self._layer_index.get(msg.layer)
+        if li is None:
+            raise ValueError(f"layer {msg.layer} has no AttentionSpec on this node")
+        if li not in step.layers_left:
+            raise ValueError(f"step {msg.step_id}: layer {msg.layer} was already attended")
+        spec = self.specs[li]
+        want_q = (step.num_q, spec.num_heads, spec.head_dim)
+        want_kv = (step.num_append, spec.num_kv_heads, spec.head_dim)
+        if tuple(msg.q.shape) != want_q or tuple(msg.k.shape) != want_kv \
+                or tuple(msg.v.shape) != want_kv:
+            raise ValueError(f"step {msg.step_id} layer {msg.layer}: expected q{want_q}, "
+                             f"k/v{want_kv}; got q{tuple(msg.q.shape)}, k{tuple(msg.k.shape)}, "
+                             f"v{tuple(msg.v.shape)}")
+        self.pool.store_kv(li, step.append_slots, msg.k, msg.v)
+        idx = step.kv[spec.window]
+        o, lse = paged_attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
+                                 step.qo_indptr, idx.kv_indptr, idx.kv_indices, step.q_positions,
+                                 idx.kv_start_pos, spec)
+        step.layers_left.discard(li)
+        if not step.layers_left:
+            self._finish(step)
+        return AttendResult(step_id=msg.step_id, layer=msg.layer, o=o, lse=lse)
+
+    def _finish(self, step: StepState) -> None:
+        del self._steps[step.step_id]
+        for sh in step.shards:
+            sh.pending, sh.step = 0, None
+        for slots in step.deferred_free:
+            self.allocator.free(slots)
+
+    def cancel(self, step_id: int) -> None:
+        """Drop a prepared step and roll back its appends (their slots return to the pool)."""
+        step = self._steps.get(step_id)
+        if step is None:
+            raise UnknownStep(f"step {step_id} is not prepared on this node")
+        for w, sh in zip(step.works, step.shards):
+            if w.num_append and self._shards.get(w.req_id) is sh:
+                self.allocator.free(sh.drop_back(w.num_append))
+                if sh.length == 0:
+                    del self._shards[w.req_id]
+        self._finish(step)
+
+    # -- FREE / EXPORT / IMPORT / FORK ----------------------------------------------------------
+    def free(self, req_ids: Iterable[int]) -> list[int]:
+        """Free every slot of the given requests; ids not held here are ignored.
+
+        Returns the ids that were held. A busy request's slots are released when its step ends.
+        """
+        freed = []
+        for r in dict.fromkeys(req_ids):
+            sh = self._shards.pop(r, None)
+            if sh is None:
+                continue
+            freed.append(r)
+            if sh.step is not None:
+                self._steps[sh.step].deferred_free.append(sh.slots.copy())
+            else:
+                self.allocator.free(sh.slots)
+        return freed
+
+    def free_range(self, req_id: int, start: int, end: int) -> None:
+        """Free positions ``[start, end)``: a prefix or suffix of the request's shard (or all)."""
+        sh = self._idle_shard(req_id)
+        if not (sh.start <= start < end <= sh.end) or (start != sh.start and end != sh.end):
+            raise ValueError(f"request {req_id}: [{start}, {end}) is not a non-empty prefix or "
+                             f"suffix of its shard [{sh.start}, {sh.end})")
+        if end - start == sh.length:
+            self.free([req_id])
+        elif start == sh.start:
+            self.allocator.free(sh.drop_front(end - start))
+        else:
+            self.allocator.free(sh.drop_back(end - start))
+
+    def export(self, req_id: int, start: int, end: int) -> KVChunk:
+        """Copy the request's K/V of positions ``[start, end)``, all layers: ``k/v[L, n, Hkv, D]``."""
+        sh = self._shards.get(req_id)
+        if sh is None:
+            raise UnknownRequest(f"request {req_id} is not held by this node")
+        if not sh.start <= start <= end <= sh.written_end:
+            raise ValueError(f"request {req_id}: [{start}, {end}) is not inside the written part "
+                             f"[{sh.start}, {sh.written_end}) of its shard")
+        k, v = self.pool.gather(sh.slots_of(start, end))
+        return KVChunk(req_id=req_id, start_pos=start, k=k, v=v)
+
+    def import_kv(self, chunk: KVChunk) -> None:
+        """Store ``chunk`` as a new shard, or extend the request's shard at its back or front.
+
+        Raises ValueError (shape/position), RequestBusy or OutOfSlots; then nothing changed.
+        """
+        n = int(chunk.k.shape[1]) if chunk.k.ndim == 4 else -1
+        want = (len(self.specs), n, self.pool.num_kv_heads, self.pool.head_dim)
+        if n < 0 or tuple(chunk.k.shape) != want or tuple(chunk.v.shape) != want:
+            raise ValueError(f"chunk k/v must be [L, n, Hkv, D] = {want}, got "
+                             f"{tuple(chunk.k.shape)} and {tuple(chunk.v.shape)}")
+        if chunk.start_pos < 0:
+            raise ValueError(f"chunk start_pos must be >= 0, got {chunk.start_pos}")
+        if n == 0:
+            return
+        start, end = chunk.start_pos, chunk.start_pos + n
+        sh = self._shards.get(chunk.req_id)
+        if sh is not None:
+            if sh.step is not None:
+                raise RequestBusy(f"request {chunk.req_id} is in step {sh.step}")
+            if start != sh.end and end != sh.start:
+                raise ValueError(f"request {chunk.req_id}: chunk [{start}, {end}) is not adjacent "
+                                 f"to its shard [{sh.start}, {sh.end})")
+        k = chunk.k.to(self.pool.device, self.pool.dtype)
+        v = chunk.v.to(self.pool.device, self.pool.dtype)
+        slots = self.allocator.alloc(n)
+        self.pool.scatter(slots, k, v)
+        if sh is None:
+            self._shards[chunk.req_id] = Shard(start, slots)
+        elif start == sh.end:
+            sh.append(slots)
+        else:
+            sh.prepend(slots)
+
+    def fork(self, src_req: int, dst_req: int, end: int | None = None) -> None:
+        """Give ``dst_req`` a shard sharing ``src_req``'s slots for ``[src.start, end)``.
+
+        ``end`` defaults to the end of src's written part. Shared slots are reference counted:
+        each request frees its own references. ``dst_req`` must not be held here.
+        """
+        src = self._shards.get(src_req)
+        if src is None:
+            raise UnknownRequest(f"request {src_req} is not held by this node")
+        if dst_req in self._shards:
+            raise ValueError(f"request {dst_req} already has a shard on this node")
+        end = src.written_end if end is None else end
+        if not src.start < end <= src.written_end:
+            raise ValueError(f"request {src_req}: cannot fork [{src.start}, {end}); written part "
+                             f"is [{src.start}, {src.written_end})")
+        slots = src.slots_of(src.start, end)
+        self.allocator.fork(slots)
+        self._shards[dst_req] = Shard(src.start, slots)
+
+    def _idle_shard(self, req_id: int) -> Shard:
+        sh = self._shards.get(req_id)
+        if sh is None:
+            raise UnknownRequest(f"request {req_id} is not held by this node")
+        if sh.step is not None:
+            raise RequestBusy(f"request {req_id} is in step {sh.step}")
+        return sh
+
+    # -- STATS --------------------------------------------------------------------------------
+    def shard(self, req_id: int) -> tuple[int, int] | None:
+        """``(start_pos, length)`` of the request's shard here, or None."""
+        sh = self._shards.get(req_id)
+        return None if sh is None else (sh.start, sh.length)
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Ids of prepared steps not finished yet."""
+        return list(self._steps)
+
+    def stats(self) -> NodeStats:
+        a = self.allocator
+        return NodeStats(capacity_slots=a.capacity, used_slots=a.num_used, free_slots=a.num_free,
+                         slab_size=a.slab_size, total_slabs=a.num_slabs, used_slabs=a.used_slabs,
+                         free_slabs=a.free_slabs, num_requests=len(self._shards),
+                         shards={r: (sh.start, sh.length) for r, sh in self._shards.items()})

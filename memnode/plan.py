@@ -1,0 +1,117 @@
+"""Per-step kernel indices: what PREPARE precomputes so each ATTEND is one kernel call per layer.
+
+For a step with works ``w_0 .. w_{R-1}`` (one per request, in plan order) the node holds, after
+the step's appends, request r's keys at positions ``[ks_r, ke_r)`` in slots ``slots_r``. Its
+queries are positions ``[qs_r, qe_r)``. The kernel sees (DESIGN.md §4, CSR form):
+
+* ``qo_indptr[R+1]``: cumulative ``num_q``; ``q_positions[Tq]``: absolute query positions.
+* per distinct sliding window ``w`` of the model's layers, ``kv_indptr[R+1]``,
+  ``kv_indices[N]``, ``kv_start_pos[R]``: the keys of each request that *some* query of the step
+  can see, i.e. positions ``[max(ks, qs - w + 1), min(ke, qe))`` (no lower bound without a
+  window). Trimming keys no query can see is exact: the kernel masks them anyway.
+
+All tensors are int64 on the pool's device, built once per step (numpy, no per-slot loops).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lamina.memnode.shard import Shard
+from lamina.types import ShardWork
+
+__all__ = ["KernelIndex", "StepState", "build_step"]
+
+
+@dataclass
+class KernelIndex:
+    """Key side of the CSR arrays for the layers sharing one window."""
+
+    kv_indptr: torch.Tensor  # int64 [R+1]
+    kv_indices: torch.Tensor  # int64 [N]
+    kv_start_pos: torch.Tensor  # int64 [R]
+
+
+@dataclass
+class StepState:
+    """One prepared step (micro-batch iteration) on one node, alive until its last layer."""
+
+    step_id: int
+    works: list[ShardWork]
+    shards: list[Shard]  # the shard of each work, same order (after the appends)
+    qo_indptr: torch.Tensor  # int64 [R+1]
+    q_positions: torch.Tensor  # int64 [Tq]
+    append_slots: torch.Tensor  # int64 [Ta]: slots of the appended rows of ATTEND's k/v
+    kv: dict[int | None, KernelIndex]  # window -> key indices
+    layers_left: set[int]  # pool layers not attended yet
+    deferred_free: list[np.ndarray] = field(default_factory=list)  # slots freed while in flight
+
+    @property
+    def num_q(self) -> int:
+        return int(self.q_positions.numel())
+
+    @property
+    def num_append(self) -> int:
+        return int(self.append_slots.numel())
+
+
+def _piece(old: np.ndarray, new: np.ndarray, a: int, b: int) -> list[np.ndarray]:
+    """Slots at offsets ``[a, b)`` of the virtual concatenation ``old ++ new`` (views)."""
+    n_old = old.size
+    out = []
+    if a < n_old:
+        out.append(old[a: min(b, n_old)])
+    if b > n_old:
+        out.append(new[max(a - n_old, 0): b - n_old])
+    return out
+
+
+def build_step(step_id: int, works: list[ShardWork], shards: list[Shard | None],
+               new_slots: list[np.ndarray], windows: set[int | None], num_layers: int,
+               device: torch.device) -> StepState:
+    """Kernel indices for ``works`` without touching the shards.
+
+    ``shards[r]`` is request r's shard before the step (None when the step opens it at
+    ``works[r].append_start``), ``new_slots[r]`` the slots allocated for its appended tokens.
+    The returned state's ``shards`` list is left empty for the caller to fill at commit.
+    """
+    R = len(works)
+    num_q = np.fromiter((w.num_q for w in works), dtype=np.int64, count=R)
+    q_start = np.fromiter((w.q_start for w in works), dtype=np.int64, count=R)
+    qo_indptr = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(num_q, out=qo_indptr[1:])
+    # position of row t of request r is q_start[r] + (t - qo_indptr[r])
+    q_positions = (np.repeat(q_start - qo_indptr[:-1], num_q)
+                   + np.arange(qo_indptr[-1], dtype=np.int64))
+    empty = np.zeros(0, dtype=np.int64)
+    olds = [sh.slots if sh is not None else empty for sh in shards]
+    ks = np.fromiter((sh.start if sh is not None else w.append_start
+                      for sh, w in zip(shards, works)), dtype=np.int64, count=R)
+    ke = ks + np.fromiter((o.size + n.size for o, n in zip(olds, new_slots)), dtype=np.int64,
+                          count=R)
+    qe = q_start + num_q
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    kv: dict[int | None, KernelIndex] = {}
+    for w in windows:
+        lo = ks if w is None else np.maximum(ks, q_start - w + 1)
+        hi = np.minimum(ke, qe)
+        count = np.where(num_q > 0, np.maximum(hi - lo, 0), 0)
+        lo = np.where(count > 0, lo, ks)
+        pieces: list[np.ndarray] = []
+        for r in range(R):
+            if count[r]:
+                a = int(lo[r] - ks[r])
+                pieces += _piece(olds[r], new_slots[r], a, a + int(count[r]))
+        kv_indptr = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(count, out=kv_indptr[1:])
+        indices = np.concatenate(pieces) if pieces else empty
+        kv[w] = KernelIndex(to_dev(kv_indptr), to_dev(indices), to_dev(lo))
+    append = np.concatenate(new_slots) if new_slots else empty
+    return StepState(step_id=step_id, works=list(works), shards=[], qo_indptr=to_dev(qo_indptr),
+                     q_positions=to_dev(q_positions), append_slots=to_dev(append), kv=kv,
+                     layers_left=set(range(num_layers)))

