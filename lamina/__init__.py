@@ -14,3 +14,18 @@ if _os.path.isdir(_os.path.join(_root, "splitter")) and _root not in __path__:
     __path__.append(_root)  # source checkout: lamina.kernels -> <root>/kernels, ...
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """Lazy top-level API (``from lamina import LLM, SamplingParams``) so that importing a
+    sub-package such as ``lamina.kernels`` does not import the whole runtime."""
+    if name in ("LLM",):
+        from lamina.api import LLM
+        return LLM
+    if name in ("SamplingParams",):
+        from lamina.types import SamplingParams
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput", "StreamDelta"):
+        from lamina import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'lamina' has no attribute {name!r}")

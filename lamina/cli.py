@@ -1,4 +1,4 @@
-"""The ``lamina`` command line: ``lamina split|...`` (more subcommands join as they land)."""
+"""The ``lamina`` command line: ``lamina split|generate`` (more subcommands join as they land)."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,35 @@ def cmd_split(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from lamina.api import LLM
+    from lamina.models import ModelLoadError
+    from lamina.types import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=args.seed, max_tokens=args.max_tokens)
+        llm = LLM(args.model, memory=args.memory, transport=args.transport, device=args.device,
+                  kv_cache_gb=args.kv_cache_gb)
+    except (ValueError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with llm:
+        prompts = args.prompt or ["The capital of France is"]
+        if args.chat:
+            outs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0]
+                    for p in prompts]
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            if out.error is not None:
+                print(f"error: {out.error}", file=sys.stderr)
+                continue
+            c = out.outputs[0]
+            print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+    return 0 if all(o.error is None for o in outs) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lamina", description="LLM serving with attention offloading")
     sub = p.add_subparsers(dest="command", required=True)
@@ -61,6 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="verify against the original model")
     s.add_argument("--device", default="cpu")
     s.set_defaults(func=cmd_split)
+
+    g = sub.add_parser("generate", help="generate text with attention offloaded to memory nodes")
+    g.add_argument("--model", default="smollm2")
+    g.add_argument("--prompt", action="append", help="repeat for a batch (default: a demo prompt)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--memory", type=int, default=1, help="memory nodes")
+    g.add_argument("--transport", default="local", choices=["local", "shm"],
+                   help="local: memory nodes in this process; shm: separate processes")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget per memory node")
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=cmd_generate)
     return p
 
 

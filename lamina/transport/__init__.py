@@ -1,0 +1,26 @@
+"""Transport: the wire protocol and the channel backends (DESIGN.md §5).
+
+* :mod:`~lamina.transport.wire`  - ``Message``, ``MsgKind``, ``encode``/``decode``,
+  ``StreamDecoder``, ``WireLimits``, ``WireError``. No pickle on the data plane.
+* :mod:`~lamina.transport.codec` - ``to_message``/``from_message`` for the dataclasses of
+  :mod:`lamina.types` and the request messages (FREE, EXPORT, STATS, OK, ERROR, ...).
+* :mod:`~lamina.transport.base`  - the ``Channel`` interface (``send``/``recv``/``close``),
+  ``ChannelClosed``, ``PeerDied``.
+* backends: :mod:`~lamina.transport.local` (same process, no copy), :mod:`~lamina.transport.shm`
+  (same host, shared-memory rings). ``tcp`` (across hosts) and ``verbs`` (RDMA) are future
+  modules of this package implementing the same ``Channel`` and passing
+  ``tests/transport/test_conformance.py``.
+"""
+from lamina.transport.base import Channel, ChannelClosed, PeerDied
+from lamina.transport.codec import RemoteError, from_message, register_error, to_message
+from lamina.transport.local import LocalChannel, local_pair
+from lamina.transport.shm import ShmChannel, ShmChannelSpec, shm_pair
+from lamina.transport.wire import (DEFAULT_LIMITS, SUPPORTED_DTYPES, Message, MsgKind,
+                                   StreamDecoder, WireError, WireLimits, decode, encode,
+                                   encode_bytes)
+
+__all__ = ["Channel", "ChannelClosed", "PeerDied", "RemoteError", "from_message",
+           "register_error", "to_message", "LocalChannel", "local_pair", "ShmChannel",
+           "ShmChannelSpec", "shm_pair", "DEFAULT_LIMITS", "SUPPORTED_DTYPES", "Message",
+           "MsgKind", "StreamDecoder", "WireError", "WireLimits", "decode", "encode",
+           "encode_bytes"]

@@ -1,0 +1,73 @@
+"""Choice between the Triton kernels and the torch paths (DESIGN.md §4).
+
+``LAMINA_KERNELS`` (read at every call) selects the implementation:
+
+* unset / ``auto``: Triton for CUDA tensors, :mod:`lamina.kernels.torch_batched` otherwise;
+* ``triton``: Triton on any device (CPU tensors need ``TRITON_INTERPRET=1``, set before triton is
+  first imported — this module imports triton lazily, at the first Triton call);
+* ``torch``: the vectorised torch path on any device;
+* ``ref``: the per-request reference :func:`paged_attention_ref` (slow; the oracle).
+
+Without an importable ``triton``, CPU work falls back to the torch path, and CUDA work (or an
+explicit ``triton``) raises a ``RuntimeError`` naming the fix.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from lamina.kernels.reference import merge_states_ref, paged_attention_ref
+from lamina.kernels.torch_batched import paged_attention_batched
+from lamina.types import AttentionSpec
+
+_CHOICES = ("auto", "triton", "torch", "ref")
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported here."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend_for(device: torch.device) -> str:
+    """The implementation (``triton``, ``torch`` or ``ref``) used for tensors on ``device``."""
+    choice = os.environ.get("LAMINA_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"LAMINA_KERNELS={choice!r}: expected one of {', '.join(_CHOICES)}")
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "torch"
+    if choice == "triton":
+        if not triton_available():
+            raise RuntimeError(f"attention on {device.type} needs the Triton kernels but triton is "
+                               "not installed: `pip install triton`, or set LAMINA_KERNELS=torch")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("LAMINA_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                               "set before triton is imported")
+    return choice
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                    q_positions: torch.Tensor, kv_start_pos: torch.Tensor,
+                    spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention; see :mod:`lamina.kernels.reference` for the contract."""
+    backend = backend_for(q.device)
+    if backend == "triton":
+        from lamina.kernels.triton_attention import paged_attention_triton
+        fn = paged_attention_triton
+    elif backend == "torch":
+        fn = paged_attention_batched
+    else:
+        fn = paged_attention_ref
+    return fn(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec)
+
+
+def merge_states(os: torch.Tensor | list[torch.Tensor],
+                 lses: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact log-sum-exp merge; see :func:`lamina.kernels.reference.merge_states_ref`."""
+    first = os[0] if isinstance(os, (list, tuple)) else os
+    if backend_for(first.device) == "triton":
+        from lamina.kernels.triton_merge import merge_states_triton
+        return merge_states_triton(os, lses)
+    return merge_states_ref(os, lses)

@@ -1,0 +1,275 @@
+"""Triton paged attention with split-KV (flash-decoding), DESIGN.md §4.
+
+Contract: exactly :func:`lamina.kernels.reference.paged_attention_ref` — ``q[T,H,D]``,
+``k_pool/v_pool[S,Hkv,D]``, CSR ``qo_indptr[R+1]``, ``kv_indptr[R+1]``, ``kv_indices[N]``,
+``q_positions[T]``, ``kv_start_pos[R]`` (int32 or int64, on q's device); returns ``o[T,H,D]`` in
+q's dtype and ``lse[T,H]`` float32 natural log, ``o = 0, lse = -inf`` for a query that sees no key.
+Inputs may be float32, bfloat16 or float16; scores, softmax and accumulation are float32.
+
+Work decomposition (planned on the host from the two indptr arrays, one small copy each way):
+
+* a *work item* is (request r, query block b, KV chunk c); the grid is ``(work items, Hkv)``;
+* one program holds the ``BLOCK_Q`` queries of block b times the ``G = H / Hkv`` query heads that
+  share KV head ``kvh`` as the rows of one tile, so each K/V tile is read once per group (GQA);
+* it walks chunk c of the request's slots in ``BLOCK_N`` steps with an online softmax, skipping
+  keys that causality or the sliding window hide from every row of the tile;
+* with one chunk per request the result is written directly; otherwise each program writes a
+  partial ``(o, lse)`` to float32 scratch and :mod:`lamina.kernels.triton_merge` merges the
+  chunks of each row by log-sum-exp.
+
+Only masked ``tl.load``/``tl.store``, ``tl.dot`` and elementwise math are used (Triton >= 3.0,
+runs under ``TRITON_INTERPRET=1`` on CPU tensors).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lamina.kernels.triton_merge import launch_merge
+from lamina.types import AttentionSpec
+
+DEFAULT_KV_CHUNK = 256  # tokens of one request's KV per program before splitting
+PARTIAL_BUDGET_BYTES = 256 << 20  # cap on float32 split-KV scratch; chunks grow to respect it
+NO_SPLIT_PROGRAMS = 4096  # with this many (query block, kv head) programs, never split KV
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, kv_indices_ptr, q_pos_ptr, work_ptr,
+                       qo_indptr_ptr, kv_indptr_ptr, kv_start_ptr,
+                       out_o_ptr, out_lse_ptr,
+                       num_work, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                       scale, softcap, window, chunk_size,
+                       H: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
+                       GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                       SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+    """One (work item, kv head): tile rows are m = query * GP + g (g < G real, rest padding).
+
+    F32_DOT: both dots take float32 operands with IEEE precision (float32 inputs, where TF32
+    would lose accuracy, and the CPU interpreter, whose bfloat16 ``tl.dot`` is wrong); otherwise
+    the dots run on the native 16-bit type with float32 accumulation.
+
+    ``work_ptr`` holds int32 ``[3, num_work]``: request, query block, kv chunk.
+    SPLIT: write float32 partials to ``out_o[(w*Hkv+kvh)*BLOCK_M + m, D]``, ``out_lse[...]``;
+    otherwise write ``out_o[T,H,D]`` (q's dtype, contiguous) and ``out_lse[T,H]`` directly.
+    """
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    r = tl.load(work_ptr + w)
+    qb = tl.load(work_ptr + num_work + w)
+    c = tl.load(work_ptr + 2 * num_work + w)
+    q_start = tl.load(qo_indptr_ptr + r).to(tl.int32)
+    q_end = tl.load(qo_indptr_ptr + r + 1).to(tl.int32)
+    kv_off = tl.load(kv_indptr_ptr + r).to(tl.int64)
+    kv_len = (tl.load(kv_indptr_ptr + r + 1) - kv_off).to(tl.int32)
+    pos0 = tl.load(kv_start_ptr + r).to(tl.int32)
+
+    m_idx = tl.arange(0, BLOCK_M)
+    g = m_idx % GP
+    tok = q_start + qb * BLOCK_Q + m_idx // GP
+    row_ok = (g < G) & (tok < q_end)
+    tok64 = tok.to(tl.int64)
+    head = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = tl.load(q_pos_ptr + tok64, mask=row_ok, other=0).to(tl.int32)
+
+    # Keys of this chunk that at least one row may see: [n_lo, n_hi) in shard-local indices.
+    chunk_lo = c * chunk_size
+    chunk_hi = tl.minimum(chunk_lo + chunk_size, kv_len)
+    pos_max = tl.max(tl.where(row_ok, q_pos, -2147483647), axis=0)
+    n_hi = tl.minimum(chunk_hi, pos_max - pos0 + 1)
+    n_lo = chunk_lo
+    if HAS_WINDOW:
+        pos_min = tl.min(tl.where(row_ok, q_pos, 2147483647), axis=0)
+        n_lo = tl.maximum(chunk_lo, pos_min - pos0 - window + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < n_hi
+        slot = tl.load(kv_indices_ptr + kv_off + n, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)  # issued early: both tiles in flight together
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if HAS_SOFTCAP:
+            # softcap * tanh(s / softcap) with tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|)
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            th = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(x < 0, -th, th)
+        k_pos = pos0 + n
+        vis = (k_pos[None, :] <= q_pos[:, None]) & n_ok[None, :] & row_ok[:, None]
+        if HAS_WINDOW:
+            vis = vis & ((q_pos[:, None] - k_pos[None, :]) < window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    seen = l_i > 0.0
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    if SPLIT:
+        prow = (w.to(tl.int64) * NUM_KV_HEADS + kvh) * BLOCK_M + m_idx
+        tl.store(out_lse_ptr + prow, lse, mask=row_ok)
+        tl.store(out_o_ptr + prow[:, None] * D + d[None, :], o,
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        orow = tok64 * H + head
+        tl.store(out_lse_ptr + orow, lse, mask=row_ok)
+        tl.store(out_o_ptr + orow[:, None] * D + d[None, :], o.to(out_o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
+def _plan(qo: torch.Tensor, kv: torch.Tensor, T: int, block_q: int, chunk: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Host-side work list for chunk size ``chunk`` (int64 CPU indptrs in).
+
+    Returns ``work[3,W]`` (request, query block, kv chunk; ordered by request, block, chunk),
+    per-token ``tok_wbase[T]`` (first work item of the token's block), ``tok_row0[T]``
+    (its query index in the block, times GP later), ``tok_nchunks[T]``, and ``max chunks``.
+    """
+    R = qo.numel() - 1
+    q_len, kv_len = qo.diff(), kv.diff()
+    active = (q_len > 0) & (kv_len > 0)
+    n_qb = torch.where(active, _ceil_div(q_len, block_q), 0)
+    n_ch = torch.where(active, _ceil_div(kv_len, chunk), 0)
+    items = n_qb * n_ch
+    w_start = torch.cumsum(items, 0) - items
+    reqs = torch.arange(R)
+    w_req = torch.repeat_interleave(reqs, items)
+    local = torch.arange(w_req.numel()) - w_start[w_req]
+    ch = n_ch[w_req].clamp(min=1)
+    work = torch.stack([w_req, local // ch, local % ch])
+
+    tok_req = torch.repeat_interleave(reqs, q_len)
+    tq = torch.arange(tok_req.numel()) - qo[:-1][tok_req]
+    tok_wbase = torch.zeros(T, dtype=torch.int64)
+    tok_row0 = torch.zeros(T, dtype=torch.int64)
+    tok_nch = torch.zeros(T, dtype=torch.int64)
+    n = tok_req.numel()
+    tok_wbase[:n] = w_start[tok_req] + (tq // block_q) * n_ch[tok_req]
+    tok_row0[:n] = tq % block_q
+    tok_nch[:n] = n_ch[tok_req]
+    return work, tok_wbase, tok_row0, tok_nch, int(n_ch.max()) if R else 0
+
+
+def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                           kv_indices: torch.Tensor, q_positions: torch.Tensor,
+                           kv_start_pos: torch.Tensor, spec: AttentionSpec, *,
+                           kv_chunk: int | None = None, block_n: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention in Triton; see the module docstring for the contract.
+
+    ``kv_chunk`` (tokens per split-KV program, default 256, may grow to bound scratch memory)
+    and ``block_n`` (keys per inner step, a power of two >= 16) are tuning knobs; tests use small
+    values under the interpreter to exercise splitting. Planning reads ``qo_indptr`` and
+    ``kv_indptr`` on the host (one device-to-host copy), so a call is not CUDA-graph capturable.
+    """
+    T, H, D = q.shape
+    S, Hkv, Dk = k_pool.shape
+    if H != spec.num_heads or Hkv != spec.num_kv_heads or D != spec.head_dim or Dk != D:
+        raise ValueError(f"paged_attention: q{tuple(q.shape)} / k_pool{tuple(k_pool.shape)} do not "
+                         f"match spec (H={spec.num_heads}, Hkv={spec.num_kv_heads}, "
+                         f"D={spec.head_dim})")
+    if v_pool.shape != k_pool.shape or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError("paged_attention: k_pool/v_pool must match each other in shape and q "
+                         "in dtype")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"paged_attention: unsupported dtype {q.dtype}")
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    qo = qo_indptr.detach().to("cpu", torch.int64)
+    kv = kv_indptr.detach().to("cpu", torch.int64)
+    if T == 0 or qo.numel() < 2 or int(kv[-1]) == 0:
+        return o, lse
+    if int(qo[-1]) > T:
+        raise ValueError(f"qo_indptr ends at {int(qo[-1])} but q has {T} rows")
+
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
+    v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
+    G = spec.group_size
+    GP = triton.next_power_of_2(G)
+    block_d = max(16, triton.next_power_of_2(D))
+    max_q = int(qo.diff().max())
+    block_q = max(1, min(triton.next_power_of_2(max_q), 64 // GP))
+    block_m = max(16, block_q * GP)
+    block_q = block_m // GP
+    block_n = block_n or (64 if block_d <= 128 else 32)
+
+    max_kv = int(kv.diff().max())
+    chunk = max(kv_chunk or DEFAULT_KV_CHUNK, 1)
+    base_programs = int(_ceil_div(qo.diff(), block_q).sum()) * Hkv
+    if base_programs >= NO_SPLIT_PROGRAMS:
+        chunk = max(chunk, max_kv)
+    while True:
+        work, tok_wbase, tok_row0, tok_nch, max_ch = _plan(qo, kv, T, block_q, chunk)
+        scratch = work.shape[1] * Hkv * block_m * (D + 1) * 4
+        if max_ch <= 1 or scratch <= PARTIAL_BUDGET_BYTES:
+            break
+        chunk *= 2
+    W = work.shape[1]
+    if W == 0:
+        return o, lse
+    split = max_ch > 1
+    dev = q.device
+    meta = torch.cat([work.reshape(-1), tok_wbase, tok_row0 * GP, tok_nch]).to(torch.int32)
+    meta = meta.to(dev)
+    work_d = meta[:3 * W]
+    index_args = (qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos)
+    qo_d, kv_d, kv_indices, q_positions, kv_start_pos = (t.to(dev).contiguous() for t in index_args)
+
+    if split:
+        o_part = torch.empty((W * Hkv * block_m, D), dtype=torch.float32, device=dev)
+        lse_part = torch.empty((W * Hkv * block_m,), dtype=torch.float32, device=dev)
+    else:
+        o_part, lse_part = o, lse
+    _paged_attn_kernel[(W, Hkv)](
+        q, k_pool, v_pool, kv_indices, q_positions, work_d, qo_d, kv_d, kv_start_pos,
+        o_part, lse_part,
+        W, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+        v_pool.stride(0), v_pool.stride(1),
+        float(spec.scale), float(spec.softcap or 1.0), int(spec.window or 0), chunk,
+        H=H, NUM_KV_HEADS=Hkv, G=G, GP=GP, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        D=D, BLOCK_D=block_d, HAS_WINDOW=spec.window is not None,
+        HAS_SOFTCAP=bool(spec.softcap), SPLIT=split,
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        num_warps=8 if block_d >= 128 else 4)  # 4 warps spill at D=128 (ptxas, sm_90)
+    if split:
+        tok = meta[3 * W:]
+        launch_merge(o_part, lse_part, o, lse, num_rows=T * H, num_parts=max_ch,
+                     part_stride=Hkv * block_m, head_dim=D,
+                     paged=(tok[:T], tok[T:2 * T], tok[2 * T:], H, G, Hkv, block_m))
+    return o, lse

@@ -1,0 +1,65 @@
+"""Clients for the memory nodes of one instance (the memory pool), one per node.
+
+``NodeClient`` is the engine's view of one memory node: the same operations whether the node
+lives in this process (``InProcessNode``: plain method calls on a ``MemoryNode``, the *local*
+backend: no encoding, no copy) or in another process (``RemoteNode`` in :mod:`lamina.remote`:
+the wire protocol over a transport channel). ATTEND is split into ``send_attend`` and
+``recv_attend`` so the engine can fan a layer out to every node before collecting the results.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+
+from lamina.memnode import MemoryNode
+from lamina.types import AttendMsg, AttendResult, NodeStats, PrepareMsg
+
+
+class NodeFailure(RuntimeError):
+    """A memory node died or stopped answering; the message names it."""
+
+
+class NodeClient(ABC):
+    name: str = "memory node"
+
+    @abstractmethod
+    def prepare(self, msg: PrepareMsg) -> None: ...
+
+    @abstractmethod
+    def send_attend(self, msg: AttendMsg) -> None: ...
+
+    @abstractmethod
+    def recv_attend(self) -> AttendResult: ...
+
+    @abstractmethod
+    def free(self, req_ids: list[int]) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> NodeStats: ...
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class InProcessNode(NodeClient):
+    """A MemoryNode in this process; results of ``send_attend`` are computed at once."""
+
+    def __init__(self, node: MemoryNode, name: str = "memory node"):
+        self.node = node
+        self.name = name
+        self._results: deque[AttendResult] = deque()
+
+    def prepare(self, msg: PrepareMsg) -> None:
+        self.node.prepare(msg)
+
+    def send_attend(self, msg: AttendMsg) -> None:
+        self._results.append(self.node.attend(msg))
+
+    def recv_attend(self) -> AttendResult:
+        return self._results.popleft()
+
+    def free(self, req_ids: list[int]) -> None:
+        self.node.free(req_ids)
+
+    def stats(self) -> NodeStats:
+        return self.node.stats()

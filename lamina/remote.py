@@ -1,0 +1,157 @@
+"""Memory nodes in separate processes: the serving loop (child side) and ``RemoteNode``
+(engine side), speaking the wire protocol over a transport channel (shm on one host).
+
+The child owns a :class:`~lamina.memnode.MemoryNode` and answers one reply per request, in
+order: PREPARE/FREE/IMPORT/PING -> OK, ATTEND -> RESULT, STATS -> STATS, EXPORT -> KV,
+SHUTDOWN -> OK then exit. A failing request gets an ERROR reply (the node is unchanged: see
+MemoryNode's all-or-nothing contract) and the loop goes on. The child exits when its parent
+dies (the channel notices the peer is gone), so it never outlives the engine.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from lamina.launcher import Launcher, MultiprocessingLauncher, ProcessHandle, stop_process
+from lamina.nodes import MemoryPoolHandle
+from lamina.pool import NodeClient, NodeFailure
+from lamina.transport import codec
+from lamina.transport.base import ChannelClosed, PeerDied
+from lamina.transport.shm import ShmChannel, ShmChannelSpec
+from lamina.transport.wire import Message, MsgKind
+from lamina.types import AttendMsg, AttendResult, AttentionSpec, NodeStats, PrepareMsg
+
+START_TIMEOUT_S = 300.0
+REPLY_TIMEOUT_S = 600.0
+
+
+def handle(node, msg: Message) -> Message:
+    """One request -> one reply (see module docstring). Exceptions become ERROR replies."""
+    try:
+        kind = msg.kind
+        if kind == MsgKind.ATTEND:
+            return codec.to_message(node.attend(codec.from_message(msg)))
+        if kind == MsgKind.PREPARE:
+            node.prepare(codec.from_message(msg))
+            return codec.ok()
+        if kind == MsgKind.FREE:
+            return codec.ok({"freed": node.free(codec.from_message(msg))})
+        if kind == MsgKind.STATS:
+            return codec.to_message(node.stats())
+        if kind == MsgKind.EXPORT:
+            return codec.to_message(node.export(*codec.from_message(msg)))
+        if kind == MsgKind.IMPORT:
+            node.import_kv(codec.from_message(msg))
+            return codec.ok()
+        if kind in (MsgKind.PING, MsgKind.SHUTDOWN):
+            return codec.ok({"pid": os.getpid()})
+        raise ValueError(f"memory node cannot handle a {kind.name} message")
+    except Exception as e:  # every failure is the caller's to see, never a crash
+        return codec.to_message(e)
+
+
+def serve(spec: ShmChannelSpec, config: dict[str, Any]) -> None:
+    """Child process entry point: build the node from ``config`` and serve until SHUTDOWN."""
+    from lamina.memnode import MemoryNode
+
+    torch.set_num_threads(int(config.get("num_threads", 1)))
+    ch = ShmChannel.attach(spec)
+    try:
+        specs = [AttentionSpec(**s) for s in config["specs"]]
+        node = MemoryNode(specs, config["capacity"], slab_size=config["slab_size"],
+                          dtype=getattr(torch, config["dtype"]), device=config["device"])
+        while True:
+            msg = ch.recv()
+            ch.send(handle(node, msg))
+            if msg.kind == MsgKind.SHUTDOWN:
+                break
+    except (PeerDied, ChannelClosed):
+        pass  # the engine is gone: exit quietly
+    finally:
+        ch.close()
+
+
+class RemoteNode(NodeClient):
+    """Engine-side client of a memory node in another process."""
+
+    def __init__(self, channel: ShmChannel, process: ProcessHandle, name: str):
+        self.ch = channel
+        self.process = process
+        self.name = name
+
+    def _fail(self, e: BaseException) -> NodeFailure:
+        state = "died" if not self.process.is_alive() else "stopped answering"
+        code = getattr(self.process, "exitcode", None)
+        return NodeFailure(f"{self.name} (pid {self.process.pid}) {state}"
+                           + (f" with exit code {code}" if code is not None else "") + f": {e}")
+
+    def _call(self, msg: Message, timeout: float = REPLY_TIMEOUT_S) -> Message:
+        self._send(msg)
+        return self._recv(timeout)
+
+    def _send(self, msg: Message) -> None:
+        try:
+            self.ch.send(msg)
+        except (PeerDied, ChannelClosed, TimeoutError) as e:
+            raise self._fail(e) from e
+
+    def _recv(self, timeout: float = REPLY_TIMEOUT_S) -> Message:
+        try:
+            return codec.raise_if_error(self.ch.recv(timeout))
+        except (PeerDied, ChannelClosed, TimeoutError) as e:
+            raise self._fail(e) from e
+
+    def prepare(self, msg: PrepareMsg) -> None:
+        self._call(codec.to_message(msg))
+
+    def send_attend(self, msg: AttendMsg) -> None:
+        self._send(codec.to_message(msg))
+
+    def recv_attend(self) -> AttendResult:
+        return codec.from_message(self._recv())
+
+    def free(self, req_ids: list[int]) -> None:
+        self._call(codec.free_request(req_ids))
+
+    def stats(self) -> NodeStats:
+        return codec.from_message(self._call(codec.stats_request()))
+
+    def close(self) -> None:
+        if self.process.is_alive() and not self.ch.closed:
+            try:
+                self.ch.send(codec.shutdown())
+                self.ch.recv(5.0)
+            except Exception:
+                pass  # stop_process below takes care of it
+        stop_process(self.process)
+        self.ch.close()
+
+
+def start_remote_nodes(specs: list[AttentionSpec], memory: int, capacity: int, *,
+                       device: str = "cpu", dtype: torch.dtype = torch.float32,
+                       slab_size: int = 256, launcher: Launcher | None = None,
+                       num_threads: int = 1, ring_bytes: int = 8 << 20) -> MemoryPoolHandle:
+    """Start ``memory`` node processes (in parallel) and wait until each answers a PING."""
+    launcher = launcher or MultiprocessingLauncher()
+    config = {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
+              "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+              "num_threads": num_threads}
+    handle_ = MemoryPoolHandle([], [])
+    try:
+        for i in range(memory):
+            ch = ShmChannel.create(capacity=ring_bytes)
+            proc = launcher.start(serve, (ch.spec, config), name=f"lamina-memory-{i}")
+            ch.set_peer_alive(proc.is_alive)
+            node = RemoteNode(ch, proc, f"memory node {i}")
+            handle_.clients.append(node)
+            handle_.capacities.append(capacity)
+            handle_.closers.append(node.close)
+        for node in handle_.clients:
+            node._call(codec.ping(), timeout=START_TIMEOUT_S)
+    except BaseException:
+        handle_.close()
+        raise
+    return handle_

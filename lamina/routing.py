@@ -1,0 +1,85 @@
+"""Fan-out of a step's attention to memory nodes and the exact merge of their answers.
+
+For every scheduled segment, each node holding part of the request gets all of the segment's
+query rows (it attends them over its shard, causal by absolute position) and the k/v rows of
+the positions it stores. A node's rows follow its ``works`` order, matching ``PrepareMsg``.
+Rows seen by one node are copied; rows seen by several are merged by log-sum-exp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.kernels import merge_states
+from lamina.scheduler import ScheduledSegment
+from lamina.types import AttendMsg, ShardWork
+
+
+@dataclass
+class NodeRoute:
+    """One node's share of a step: works for PREPARE, and the step rows it gets per layer."""
+
+    node: int
+    works: list[ShardWork]
+    q_rows: torch.Tensor  # int64 rows of the step's flattened tokens, in works order
+    kv_rows: torch.Tensor  # int64 rows whose k/v the node appends, in works order
+    identity: bool = False  # q_rows == kv_rows == arange(T): send tensors as they are
+
+
+def build_routes(segs: list[ScheduledSegment], num_tokens: int,
+                 device: torch.device) -> list[NodeRoute]:
+    works: dict[int, list[ShardWork]] = {}
+    q_rows: dict[int, list[range]] = {}
+    kv_rows: dict[int, list[range]] = {}
+    offset = 0
+    for seg in segs:
+        req = seg.req
+        appends = {node: (start, count) for node, start, count in seg.appends}
+        for shard_node in dict.fromkeys(s.node for s in req.shards):
+            a_start, a_count = appends.get(shard_node, (0, 0))
+            works.setdefault(shard_node, []).append(
+                ShardWork(req.req_id, seg.start, seg.num_tokens, a_start, a_count))
+            q_rows.setdefault(shard_node, []).append(range(offset, offset + seg.num_tokens))
+            first = offset + (a_start - seg.start)
+            kv_rows.setdefault(shard_node, []).append(range(first, first + a_count))
+        offset += seg.num_tokens
+    routes = []
+    for node in sorted(works):
+        q = [i for r in q_rows[node] for i in r]
+        kv = [i for r in kv_rows[node] for i in r]
+        ident = q == kv == list(range(num_tokens))
+        routes.append(NodeRoute(node, works[node], torch.tensor(q, dtype=torch.long, device=device),
+                                torch.tensor(kv, dtype=torch.long, device=device), ident))
+    return routes
+
+
+def attend_messages(step_id: int, layer: int, routes: list[NodeRoute], q: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, reply_to: int = 0) -> list[AttendMsg]:
+    msgs = []
+    for r in routes:
+        if r.identity:
+            msgs.append(AttendMsg(step_id, layer, q, k, v, reply_to))
+        else:
+            msgs.append(AttendMsg(step_id, layer, q[r.q_rows], k[r.kv_rows], v[r.kv_rows], reply_to))
+    return msgs
+
+
+def merge_results(routes: list[NodeRoute], results, num_tokens: int) -> torch.Tensor:
+    """Assemble ``o[T,H,D]`` from per-node ``AttendResult``s (same order as ``routes``)."""
+    if len(routes) == 1 and routes[0].identity:
+        return results[0].o
+    first = results[0].o
+    o = first.new_zeros((num_tokens,) + tuple(first.shape[1:]))
+    lse = torch.full((num_tokens, first.shape[1]), float("-inf"), device=first.device)
+    seen = torch.zeros(num_tokens, dtype=torch.bool, device=first.device)
+    for r, res in zip(routes, results):
+        rows = r.q_rows
+        fresh = ~seen[rows]
+        if bool(fresh.all()):
+            o[rows], lse[rows] = res.o, res.lse
+        else:
+            mo, ml = merge_states([o[rows], res.o], [lse[rows], res.lse])
+            o[rows], lse[rows] = mo, ml
+        seen[rows] = True
+    return o

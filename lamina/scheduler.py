@@ -1,0 +1,185 @@
+"""Continuous batching with chunked prefill, KV accounting across a memory pool, and
+recompute preemption (pure Python, no torch; the engine turns its output into tensors).
+
+Placement (request-level partitioning): a request's new tokens go to its tail shard's node
+while it has room; when that node is full the request opens a new shard on the node with the
+most free slots among those that hold none of it, so one request can outgrow any single node.
+The scheduler mirrors each node's free slot count; memory nodes stay the authority (an
+allocation they refuse is a bug surfaced as an error, never silent).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from lamina.request import Request, ShardPlacement, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # chunked-prefill token budget per step
+    max_model_len: int | None = None
+
+
+@dataclass
+class ScheduledSegment:
+    """``req`` feeds ``all_ids[start:start+num_tokens]``; ``appends`` says which node stores which
+    positions: ``[(node, first_position, count), ...]``. ``sample`` is true when the segment
+    reaches the end of the request's known tokens (a new token will be sampled)."""
+
+    req: Request
+    start: int
+    num_tokens: int
+    appends: list[tuple[int, int, int]]
+    sample: bool
+
+
+class Scheduler:
+    def __init__(self, node_capacities: list[int], config: SchedulerConfig):
+        self.capacity = list(node_capacities)
+        self.free = list(node_capacities)
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def total_capacity(self) -> int:
+        return sum(self.capacity)
+
+    def check_admissible(self, req: Request) -> None:
+        """Raise ValueError for a request that can never run (before it is queued)."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ValueError(f"request {req.req_id}: empty prompt")
+        cap = self.total_capacity
+        if n + 1 > cap:
+            raise ValueError(f"request {req.req_id}: prompt of {n} tokens does not fit in the KV "
+                             f"capacity of all memory nodes together ({cap} tokens)")
+        limit = self.config.max_model_len
+        if limit is not None and n >= limit:
+            raise ValueError(f"request {req.req_id}: prompt of {n} tokens exceeds the model's "
+                             f"maximum length of {limit} tokens")
+
+    def add(self, req: Request) -> None:
+        self.check_admissible(req)
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- placement -------------------------------------------------------------------------------
+    def _place(self, req: Request, n: int) -> list[tuple[int, int, int]] | None:
+        """Reserve slots for req's next n positions; None (nothing reserved) if they do not fit."""
+        plan: list[tuple[int, int, int]] = []
+        free = list(self.free)
+        pos = req.num_computed
+        used = {s.node for s in req.shards}
+        tail = req.shards[-1].node if req.shards else None
+        left = n
+        while left:
+            if tail is None or free[tail] == 0:
+                candidates = [i for i in range(len(free)) if i not in used and free[i] > 0]
+                if not candidates:
+                    return None
+                tail = max(candidates, key=lambda i: (free[i], -i))
+                used.add(tail)
+            take = min(left, free[tail])
+            free[tail] -= take
+            plan.append((tail, pos, take))
+            pos += take
+            left -= take
+        self.free = free
+        for node, start, count in plan:
+            if req.shards and req.shards[-1].node == node:
+                req.shards[-1].length += count
+            else:
+                req.shards.append(ShardPlacement(node, start, count))
+        req.max_shards = max(req.max_shards, len(req.shards))
+        return plan
+
+    def release(self, req: Request) -> list[int]:
+        """Forget req's KV (finished or preempted); returns the nodes that held some."""
+        nodes = []
+        for s in req.shards:
+            self.free[s.node] += s.length
+            nodes.append(s.node)
+        req.shards = []
+        req.num_computed = 0
+        return nodes
+
+    # -- scheduling ------------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[ScheduledSegment], list[Request]]:
+        """Form the next step: running requests first (decodes and unfinished prefills, FIFO),
+        then waiting ones while the token budget and ``max_num_seqs`` allow. Returns the segments
+        and the requests preempted to make room (their KV must be freed on the nodes)."""
+        budget = self.config.max_num_batched_tokens
+        segs: list[ScheduledSegment] = []
+        preempted: list[Request] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed, budget)
+            appends = self._place(req, n)
+            while appends is None:
+                victim = self._pick_victim(exclude=req, scheduled=segs)
+                if victim is None:
+                    break
+                if victim in queue:
+                    queue.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                appends = self._place(req, n)
+            if appends is None:
+                if req.num_computed + n <= self.total_capacity:
+                    self._preempt(req)  # others in this step hold the memory: retry later
+                else:  # would not fit even alone
+                    self.release(req)
+                    self.running.remove(req)
+                    req.finish("error", MemoryError(
+                        f"request {req.req_id}: out of KV memory at {req.num_tokens} tokens "
+                        f"(pool capacity {self.total_capacity} tokens)"))
+                preempted.append(req)  # its KV must be freed on the nodes either way
+                continue
+            segs.append(ScheduledSegment(req, req.num_computed, n, appends,
+                                         req.num_computed + n == req.num_tokens))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed, budget)
+            appends = self._place(req, n)
+            if appends is None:
+                break  # FIFO: wait for memory
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            segs.append(ScheduledSegment(req, req.num_computed, n, appends,
+                                         req.num_computed + n == req.num_tokens))
+            budget -= n
+        return segs, preempted
+
+    def _pick_victim(self, exclude: Request, scheduled: list[ScheduledSegment]) -> Request | None:
+        """The most recently admitted running request not yet in this step (vLLM's policy)."""
+        in_step = {s.req.req_id for s in scheduled}
+        for req in reversed(self.running):
+            if req is not exclude and req.req_id not in in_step:
+                return req
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.release(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def commit(self, segs: list[ScheduledSegment]) -> None:
+        """The step ran: the segments' tokens now have KV stored."""
+        for s in segs:
+            s.req.num_computed = s.start + s.num_tokens
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.release(req)
+        req.finish(reason)

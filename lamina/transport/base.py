@@ -1,0 +1,72 @@
+"""The Channel interface every transport backend implements (DESIGN.md §5).
+
+A :class:`Channel` is one end of a duplex, ordered, reliable message link between two peers:
+``send`` delivers to the peer, ``recv`` returns what the peer sent, in order. Backends:
+
+* ``local`` - same process; the Message object is handed over (no encoding, no copy).
+* ``shm``   - same host, separate processes; one shared-memory byte ring per direction.
+* ``tcp``   - across hosts: *not built yet* (a later issue). It belongs in ``tcp.py`` as a
+  Channel subclass that writes :func:`lamina.transport.wire.encode`'s buffers with
+  ``socket.sendmsg`` and reads with ``sock.recv_into(StreamDecoder.buffer())``, so it shares
+  the wire format, the limit checks and this conformance suite.
+
+Contract shared by all backends (tested by ``tests/transport/test_conformance.py``):
+
+* ``send(msg)`` returns once the message is handed to the link (local: queued; shm: every byte
+  is in the ring). Messages that break the channel's :class:`WireLimits` or hold unsupported
+  data raise :class:`WireError` and are not sent. ``send`` never times out; it raises
+  :class:`ChannelClosed` once either side has closed, :class:`PeerDied` when the peer process
+  is gone while it waits for ring space.
+* ``recv(timeout=None)`` returns the next message; ``timeout`` (seconds, ``None`` = forever,
+  ``0`` = poll) raises ``TimeoutError`` when no whole message arrived in time (a partially
+  received message is kept and completed by the next call). It raises :class:`ChannelClosed`
+  after the peer closed and everything it sent was received, or after this end was closed;
+  :class:`PeerDied` when the peer process died; :class:`WireError` on malformed input (on a
+  byte-stream backend this is fatal to the receiving direction: every later ``recv`` raises).
+* ``close()`` is idempotent; it wakes a ``recv`` blocked in another thread of this end.
+* One thread may send while another receives; concurrent senders are serialised per message.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from lamina.transport.wire import DEFAULT_LIMITS, Message, WireLimits
+
+__all__ = ["Channel", "ChannelClosed", "PeerDied"]
+
+
+class ChannelClosed(ConnectionError):
+    """The channel was closed (by this end or the peer)."""
+
+
+class PeerDied(ConnectionError):
+    """The peer process is no longer alive."""
+
+
+class Channel(ABC):
+    """One end of a duplex message link. See the module docstring for the contract."""
+
+    limits: WireLimits = DEFAULT_LIMITS
+
+    @abstractmethod
+    def send(self, msg: Message) -> None:
+        """Deliver ``msg`` to the peer (see the module contract)."""
+
+    @abstractmethod
+    def recv(self, timeout: float | None = None) -> Message:
+        """Next message from the peer; ``TimeoutError`` after ``timeout`` seconds."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close this end (idempotent)."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once :meth:`close` was called on this end."""
+
+    def __enter__(self) -> "Channel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,52 @@
+"""The builtin SmolLM2: greedy outputs of 8 prompts as one batch are token-identical to HF
+generate (float32), with memory nodes in-process, as 3 processes over shm, and with requests
+spanning two memory nodes. Also chat through the tokenizer's chat template."""
+import pytest
+
+from lamina import LLM, SamplingParams
+from lamina.models import load_model
+
+from hf_oracle import hf_greedy
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 16
+TEXTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Hello",
+         "Write a haiku about the sea.", "What is the meaning of life? Answer:",
+         "The quick brown fox jumps over the lazy dog. Then the dog woke up, looked around the "
+         "garden and said", "In 1492, Columbus"]
+SETUPS = {
+    "memory1-inprocess": dict(memory=1, transport="local"),
+    "memory3-shm": dict(memory=3, transport="shm"),
+    "spans-two-nodes": dict(memory=2, transport="local", kv_cache_tokens=36),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    loaded = load_model("smollm2")
+    ids = [loaded.tokenizer(t, add_special_tokens=False).input_ids for t in TEXTS]
+    assert max(map(len, ids)) + MAX_NEW > 36  # the long prompt must span two 36-slot nodes
+    return loaded, ids, hf_greedy(loaded.model, ids, MAX_NEW)
+
+
+@pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
+def test_smollm2_greedy_matches_hf(reference, setup):
+    loaded, ids, want = reference
+    with LLM("smollm2", **SETUPS[setup]) as llm:
+        outs = llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=MAX_NEW),
+                            use_tqdm=False)
+        assert [o.prompt_token_ids for o in outs] == ids
+        got = [o.outputs[0].token_ids for o in outs]
+        assert got == want
+        for o, w in zip(outs, want):
+            assert o.outputs[0].text == loaded.tokenizer.decode(w, skip_special_tokens=True)
+        if setup == "spans-two-nodes":
+            assert max(req.max_shards for req, _, _ in llm._last) == 2
+        if setup == "memory1-inprocess":
+            chat = llm.chat([{"role": "user", "content": "What is 2+2?"}],
+                            SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]
+            prompt = loaded.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
+                tokenize=False)
+            chat_ids = loaded.tokenizer(prompt, add_special_tokens=False).input_ids
+            assert chat.outputs[0].token_ids == hf_greedy(loaded.model, [chat_ids], MAX_NEW)[0]

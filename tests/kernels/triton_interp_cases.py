@@ -1,0 +1,107 @@
+"""Triton kernels under ``TRITON_INTERPRET=1`` on CPU tensors, against the torch reference.
+
+Not collected by default (no ``test_`` prefix): ``test_triton_interpreter.py`` runs this file in
+a subprocess with ``TRITON_INTERPRET=1 LAMINA_KERNELS=triton``, because the variable must be set
+before triton is imported and must not leak into other test modules. To run it by hand::
+
+    TRITON_INTERPRET=1 LAMINA_KERNELS=triton \
+        python -m pytest -q tests/kernels/triton_interp_cases.py
+
+Sizes are small: the interpreter runs each program in numpy.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 (run via test_triton_interpreter.py)",
+                allow_module_level=True)
+
+from kernel_cases import assert_matches, random_case  # noqa: E402
+from lamina.kernels import backend_for, merge_states_ref, paged_attention_ref  # noqa: E402
+from lamina.kernels.triton_attention import paged_attention_triton  # noqa: E402
+from lamina.kernels.triton_merge import merge_states_triton  # noqa: E402
+from test_merge_states import _merge_oracle, shard_and_merge  # noqa: E402
+
+# (num_heads, num_kv_heads, window, softcap, dtype, kv_chunk, max_ctx)
+CASES = [
+    (4, 4, None, None, torch.float32, 32, 300),
+    (6, 2, None, None, torch.float32, 32, 300),
+    (16, 2, None, None, torch.float32, None, 300),
+    (6, 2, 24, None, torch.float32, 16, 120),
+    (4, 4, None, 30.0, torch.float32, 32, 120),
+    (16, 2, 40, 2.5, torch.float32, 32, 200),
+    (6, 2, None, None, torch.bfloat16, 32, 300),
+    (16, 2, 24, None, torch.bfloat16, 16, 120),
+    (4, 4, None, 5.0, torch.bfloat16, None, 200),
+    (6, 3, 17, None, torch.float16, 32, 120),
+]
+
+
+@pytest.mark.parametrize("case_id", range(len(CASES)))
+def test_triton_paged_attention_matches_reference(case_id):
+    H, Hkv, window, softcap, dtype, kv_chunk, max_ctx = CASES[case_id]
+    case = random_case(500 + case_id, num_heads=H, num_kv_heads=Hkv, head_dim=16, dtype=dtype,
+                       num_requests=(1, 4), max_ctx=max_ctx, max_q=6, window=window,
+                       softcap=softcap)
+    ref_o, ref_lse = paged_attention_ref(*case.args())
+    o, lse = paged_attention_triton(*case.args(), kv_chunk=kv_chunk, block_n=16)
+    assert_matches(o, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_triton_head_dims(head_dim):
+    """A non-power-of-two head dim (padded to 32) and a typical one, with splitting."""
+    case = random_case(head_dim, num_heads=6, num_kv_heads=2, head_dim=head_dim,
+                       num_requests=(2, 3), max_ctx=80, max_q=4)
+    ref_o, ref_lse = paged_attention_ref(*case.args())
+    o, lse = paged_attention_triton(*case.args(), kv_chunk=32, block_n=16)
+    assert_matches(o, lse, ref_o, ref_lse, torch.float32)
+
+
+def test_triton_strided_q_and_long_extend():
+    """q as a column slice of a fused qkv tensor; one request with 40 queries (several q blocks)."""
+    case = random_case(9, num_heads=4, num_kv_heads=2, head_dim=16, num_requests=(1, 1),
+                       max_ctx=60, max_q=40, allow_empty=False)
+    T = case.q.shape[0]
+    fused = torch.randn(T, 8, 16)
+    fused[:, 2:6] = case.q
+    case.q = fused[:, 2:6]
+    ref_o, ref_lse = paged_attention_ref(*case.args())
+    o, lse = paged_attention_triton(*case.args(), kv_chunk=16, block_n=16)
+    assert_matches(o, lse, ref_o, ref_lse, torch.float32)
+
+
+def test_dispatch_selects_triton():
+    assert backend_for(torch.device("cpu")) == "triton"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_shard_split_merge(seed):
+    """paged_attention / merge_states dispatch to Triton here (LAMINA_KERNELS=triton)."""
+    heads = [(4, 4), (6, 2), (8, 1), (6, 2)][seed]
+    shard_and_merge(seed, heads[0], heads[1], window=[None, 20, None, 7][seed],
+                    softcap=[None, None, 3.0, None][seed],
+                    dtype=torch.float32 if seed < 3 else torch.bfloat16, max_ctx=80)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_merge_states(dtype):
+    gen = torch.Generator().manual_seed(3)
+    S, T, H, D = 3, 5, 3, 20
+    os_ = torch.randn(S, T, H, D, generator=gen).to(dtype)
+    lses = torch.randn(S, T, H, generator=gen) * 10
+    lses[torch.rand(S, T, H, generator=gen) < 0.3] = float("-inf")
+    lses[:, 1, 2] = float("-inf")
+    os_[:, 1, 2] = 0
+    exp_o, exp_lse = _merge_oracle(os_, lses)
+    o, lse = merge_states_triton(list(os_), list(lses))
+    assert o.dtype == dtype and torch.isneginf(lse[1, 2]) and torch.all(o[1, 2] == 0)
+    torch.testing.assert_close(lse.double(), exp_lse, atol=1e-5, rtol=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(o.double(), exp_o, atol=tol, rtol=tol)
+    ref = merge_states_ref(os_, lses)
+    torch.testing.assert_close(o.float(), ref[0].float(), atol=tol, rtol=tol)

@@ -1,0 +1,20 @@
+"""Transport test fixtures: a session-end check that no shared-memory segment created by this
+process survives (segments are named ``lamina_<creator pid>_<random>_ab|_ba``)."""
+from __future__ import annotations
+
+import gc
+import glob
+import os
+
+import pytest
+
+
+def leaked_segments() -> list[str]:
+    return sorted(glob.glob(f"/dev/shm/lamina_{os.getpid()}_*"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_shm_segments():
+    yield
+    gc.collect()
+    assert leaked_segments() == [], "shared-memory segments leaked by the transport tests"

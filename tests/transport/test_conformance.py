@@ -1,0 +1,344 @@
+"""One conformance suite for every Channel backend (DESIGN.md §5).
+
+Backends: ``local`` (in-process queue), ``shm_thread`` (shared-memory rings, peer in a thread of
+this process) and ``shm_process`` (shared-memory rings, peer in a real ``spawn`` child). The
+peer echoes every message (tests/transport/shm_peers.py). Expected values come from the test
+itself (the tensors it sent, bytes it built with ``struct`` from the documented layout), never
+from the code under test.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from lamina.transport import (ChannelClosed, Message, MsgKind, PeerDied, ShmChannel, WireError,
+                              codec, local_pair, shm_pair)
+from lamina.types import AttendMsg, AttendResult, KVChunk, NodeStats, PrepareMsg, ShardWork
+from shm_peers import cpu_seconds, serve_one, serve_specs
+from wire_cases import MALFORMED, MALFORMED_MATCH, assert_same
+
+BACKENDS = ["local", "shm_thread", "shm_process"]
+SHM_BACKENDS = ["shm_thread", "shm_process"]
+N_FRESH = 24  # dedicated (breakable) channels served by the spawned peer
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
+          torch.bool, torch.float64, torch.int16, torch.int8]
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+class ProcessPeer:
+    """A spawned child echoing on one main channel (8 MiB rings) and N_FRESH small ones."""
+
+    def __init__(self) -> None:
+        self.main = ShmChannel.create(8 << 20)
+        self.fresh_chans = [ShmChannel.create(64 << 10) for _ in range(N_FRESH)]
+        self.chans = [self.main] + self.fresh_chans
+        self.proc = mp.get_context("spawn").Process(
+            target=serve_specs, args=([c.spec for c in self.chans],), daemon=True)
+        self.proc.start()
+        for c in self.chans:
+            c.set_peer_alive(self.proc.is_alive)
+        self._next = 0
+
+    def fresh(self) -> ShmChannel:
+        ch = self.fresh_chans[self._next]
+        self._next += 1
+        return ch
+
+    def shutdown(self) -> None:
+        for c in self.chans:
+            c.close()
+        self.proc.join(60)
+
+
+@pytest.fixture(scope="module")
+def process_peer():
+    peer = ProcessPeer()
+    yield peer
+    names = [r.name for c in peer.chans for r in (c.spec.a_to_b, c.spec.b_to_a)]
+    peer.shutdown()
+    assert peer.proc.exitcode == 0
+    assert [n for n in names if os.path.exists(f"/dev/shm/{n}")] == []
+
+
+def sync(ch) -> None:
+    """Round-trip a unique PING so nothing from this test is left in flight."""
+    token = uuid.uuid4().hex
+    ch.send(Message(MsgKind.PING, meta={"sync": token}))
+    while ch.recv(timeout=60).meta.get("sync") != token:
+        pass
+
+
+def _thread_link(backend: str):
+    a, b = local_pair() if backend == "local" else shm_pair(8 << 20)
+    t = threading.Thread(target=serve_one, args=(b,), daemon=True)
+    t.start()
+    return a, b, t
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def link(backend, request):
+    """Our end of a channel whose peer echoes; shared with other tests for shm_process."""
+    if backend == "shm_process":
+        ch = request.getfixturevalue("process_peer").main
+        yield ch
+        sync(ch)
+        return
+    a, b, t = _thread_link(backend)
+    yield a
+    a.close()
+    t.join(30)
+    b.close()
+    assert not t.is_alive()
+
+
+@pytest.fixture
+def fresh_link(backend, request):
+    """Like ``link`` but never shared: the test may break or close it."""
+    if backend == "shm_process":
+        yield request.getfixturevalue("process_peer").fresh()
+        return
+    a, b, t = _thread_link(backend)
+    yield a
+    a.close()
+    t.join(30)
+    b.close()
+
+
+# ------------------------------------------------------------------------------ data path
+
+
+def test_ordering_many_messages(link):
+    n = 300
+    sent = [Message(MsgKind.ATTEND, step_id=i, layer=i % 7, reply_to=i % 3, meta={"i": i},
+                    tensors=[torch.full((i % 5 + 1,), float(i))]) for i in range(n)]
+    sender = threading.Thread(target=lambda: [link.send(m) for m in sent])
+    sender.start()  # send and receive concurrently so no ring can fill up in both directions
+    got = [link.recv(timeout=60) for _ in range(n)]
+    sender.join()
+    for m, g in zip(sent, got):
+        assert (g.kind, g.step_id, g.layer, g.reply_to, g.meta) == \
+            (m.kind, m.step_id, m.layer, m.reply_to, m.meta)
+        assert_same(m.tensors, g.tensors)
+
+
+def test_large_tensor_through_small_ring(link):
+    big = torch.randn(12 << 20)  # 48 MiB; the shm rings hold 8 MiB
+    small = torch.arange(10)
+    link.send(Message(MsgKind.KV, tensors=[small, big, small]))
+    got = link.recv(timeout=120)
+    assert_same([small, big, small], got.tensors)
+
+
+def test_every_dtype_and_shape(link):
+    g = torch.Generator().manual_seed(0)
+    tensors = []
+    for dt in DTYPES:
+        if dt == torch.bool:
+            base = torch.rand(3, 5, generator=g) > 0.5
+        elif dt.is_floating_point:
+            base = torch.randn(3, 5, generator=g).to(dt)
+            base[0, 0], base[0, 1], base[0, 2] = float("inf"), float("nan"), -0.0
+        else:
+            info = torch.iinfo(dt)
+            base = torch.randint(max(info.min, -1000), min(info.max, 1000), (3, 5), generator=g,
+                                 dtype=torch.int64).to(dt)
+            base[0, 0], base[0, 1] = info.min, info.max
+        tensors += [base, base[0, 0].clone(), base[:0], base.t(), torch.empty(2, 0, 3, dtype=dt),
+                    base.reshape(1, 1, 1, 1, 1, 1, 1, 15)]
+    for i in range(0, len(tensors), 30):  # stay under the default 64 tensors per message
+        part = tensors[i:i + 30]
+        link.send(Message(MsgKind.IMPORT, tensors=part))
+        assert_same(part, link.recv(timeout=60).tensors)
+
+
+def test_header_fields_and_meta_round_trip(link):
+    meta = {"unicode": "héllo ✓", "nested": {"a": [1, 2.5, None, True, False]}, "big": 2 ** 62,
+            "neg": -3, "empty": {}, "list": [[1, 2], []], "float": 1e-300}
+    for kind in MsgKind:
+        m = Message(kind, step_id=-(2 ** 63), layer=2 ** 63 - 1, reply_to=-1, meta=meta)
+        link.send(m)
+        g = link.recv(timeout=60)
+        assert (g.kind, g.step_id, g.layer, g.reply_to, g.meta, g.tensors) == \
+            (kind, m.step_id, m.layer, m.reply_to, meta, [])
+    link.send(Message(MsgKind.PING, meta={"tuple": (1, 2)}))
+    assert link.recv(timeout=60).meta == {"tuple": [1, 2]}  # what JSON gives, on every backend
+
+
+def test_codec_objects_round_trip(link):
+    q, k, v = torch.randn(3, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    objs = [
+        PrepareMsg(7, [ShardWork(1, 0, 3, 0, 3), ShardWork(2, 9, 1)]),
+        AttendMsg(7, 2, q, k, v, reply_to=5),
+        AttendResult(7, 2, torch.randn(3, 4, 8), torch.full((3, 4), float("-inf"))),
+        KVChunk(4, 100, torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 8)),
+        NodeStats(1024, 10, 1014, 256, 4, 1, 3, 2, shards={1: (0, 3), 2: (5, 7)}),
+    ]
+    for obj in objs:
+        link.send(codec.to_message(obj))
+        back = codec.from_message(link.recv(timeout=60))
+        assert type(back) is type(obj)
+        for name, val in vars(obj).items():
+            if isinstance(val, torch.Tensor):
+                assert_same([val], [getattr(back, name)])
+            else:
+                assert getattr(back, name) == val
+    link.send(codec.to_message(KeyError("req 3")))
+    with pytest.raises(KeyError, match="req 3"):
+        codec.raise_if_error(link.recv(timeout=60))
+
+
+# ------------------------------------------------------------------------------ timeouts, limits
+
+
+def test_recv_timeout(link):
+    for timeout in (0, 0.05, 0.3):
+        with pytest.raises(TimeoutError):
+            link.recv(timeout=timeout)
+    link.send(Message(MsgKind.PING, meta={"sleep": 0.2}))  # arrives after the first timeout
+    with pytest.raises(TimeoutError):
+        link.recv(timeout=0.01)
+    assert link.recv(timeout=60).meta == {"sleep": 0.2}
+
+
+@pytest.mark.parametrize("bad", ["too_many_tensors", "dtype", "ndim", "meta", "meta_size",
+                                 "tensor_size", "not_tensor", "kind"])
+def test_send_rejects_what_cannot_travel(link, bad):
+    small = link.limits.__class__(max_tensor_bytes=1 << 20, max_meta_bytes=1 << 10)
+    m = {"too_many_tensors": Message(MsgKind.KV, tensors=[torch.zeros(1)] * 65),
+         "dtype": Message(MsgKind.KV, tensors=[torch.zeros(2, dtype=torch.complex64)]),
+         "ndim": Message(MsgKind.KV, tensors=[torch.zeros([1] * 9)]),
+         "meta": Message(MsgKind.PING, meta={"x": {1, 2}}),
+         "meta_size": Message(MsgKind.PING, meta={"x": "y" * (5 << 20)}),
+         "tensor_size": Message(MsgKind.KV, tensors=[torch.zeros(small.max_tensor_bytes)]),
+         "not_tensor": Message(MsgKind.KV, tensors=[[1.0, 2.0]]),
+         "kind": Message(99)}[bad]
+    limits = link.limits
+    if bad == "tensor_size":  # checked against this end's limits
+        link.limits = small
+    try:
+        with pytest.raises(WireError):
+            link.send(m)
+    finally:
+        link.limits = limits
+    link.send(Message(MsgKind.PING, meta={"after": bad}))  # nothing half-sent: still in sync
+    assert link.recv(timeout=60).meta == {"after": bad}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+@pytest.mark.parametrize("backend", SHM_BACKENDS)
+def test_malformed_stream_raises_wire_error(fresh_link, case):
+    fresh_link.send(Message(MsgKind.PING, meta={"inject": MALFORMED[case].hex()}))
+    with pytest.raises(WireError, match=MALFORMED_MATCH[case]):
+        fresh_link.recv(timeout=30)  # rejected on the header/descriptors: no allocation, no wait
+    with pytest.raises(WireError):  # the stream cannot be resynchronised
+        fresh_link.recv(timeout=30)
+
+
+# ------------------------------------------------------------------------------ close, death
+
+
+def test_peer_close(fresh_link):
+    fresh_link.send(Message(MsgKind.PING, meta={"n": 1}))
+    fresh_link.send(Message(MsgKind.PING, meta={"close": True}))
+    assert fresh_link.recv(timeout=30).meta == {"n": 1}  # sent before closing: still delivered
+    with pytest.raises(ChannelClosed):
+        fresh_link.recv(timeout=30)
+    with pytest.raises(ChannelClosed):
+        fresh_link.send(Message(MsgKind.PING))
+
+
+def test_close_wakes_blocked_recv(fresh_link):
+    errors = []
+
+    def blocked():
+        try:
+            fresh_link.recv()
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion below
+            errors.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    t.join(0.2)
+    fresh_link.close()
+    t.join(30)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], ChannelClosed)
+    with pytest.raises(ChannelClosed):
+        fresh_link.send(Message(MsgKind.PING))
+    fresh_link.close()  # idempotent
+
+
+def test_local_hands_over_tensors_without_copy():
+    a, b = local_pair()
+    t = torch.randn(4)
+    a.send(Message(MsgKind.ATTEND, tensors=[t]))
+    assert b.recv(timeout=1).tensors[0] is t
+    a.close()
+    b.close()
+
+
+def test_peer_death_detected_across_processes():
+    """A child that dies while we wait: recv (pid-based default check, the dead child is an
+    unreaped zombie) and send into a full ring (``peer_alive`` hook) both raise PeerDied."""
+    by_pid = ShmChannel.create(1 << 16, wake_interval=0.02)
+    by_hook = ShmChannel.create(4096, wake_interval=0.02)
+    proc = mp.get_context("spawn").Process(target=serve_specs,
+                                           args=([by_pid.spec, by_hook.spec],), daemon=True)
+    proc.start()
+    try:
+        by_hook.set_peer_alive(proc.is_alive)
+        for ch in (by_pid, by_hook):
+            ch.send(Message(MsgKind.PING, meta={"ready": 1}))
+            assert ch.recv(timeout=120).meta == {"ready": 1}
+        assert by_pid.peer_alive() and by_hook.peer_alive()
+        by_pid.send(Message(MsgKind.PING, meta={"exit": 3}))
+        with pytest.raises(PeerDied):
+            by_pid.recv()  # blocks until the child is gone
+        with pytest.raises(PeerDied):
+            by_hook.send(Message(MsgKind.KV, tensors=[torch.zeros(1 << 16)]))  # > ring
+        assert not by_pid.peer_alive()
+        proc.join(30)
+        assert proc.exitcode == 3
+    finally:
+        by_pid.close()
+        by_hook.close()
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_idle_receivers_use_almost_no_cpu(process_peer):
+    """The spawned peer has 1 + N_FRESH threads blocked in recv; so has, below, one thread of
+    ours. CPU time (not wall time) over ~1 s must stay far below one core."""
+    sync(process_peer.main)
+    a, b = shm_pair(1 << 16)
+    used = []
+
+    def idle():
+        t0 = time.thread_time()
+        with pytest.raises(TimeoutError):
+            b.recv(timeout=1.0)
+        used.append(time.thread_time() - t0)
+
+    child0 = cpu_seconds(process_peer.proc.pid)
+    t = threading.Thread(target=idle)
+    t.start()
+    t.join()
+    child = cpu_seconds(process_peer.proc.pid) - child0
+    a.close()
+    b.close()
+    print(f"\nidle recv thread: {used[0]:.4f} CPU-s over 1 s; spawned peer with "
+          f"{1 + N_FRESH} blocked receivers: {child:.3f} CPU-s")
+    assert used[0] < 0.1
+    assert child < 0.3
