@@ -2,10 +2,12 @@
 
 ``LAMINA_KERNELS`` (read at every call) selects the implementation:
 
-* unset / ``auto``: Triton for CUDA tensors, :mod:`lamina.kernels.torch_batched` otherwise;
+* unset / ``auto``: Triton for CUDA tensors, the torch path otherwise;
 * ``triton``: Triton on any device (CPU tensors need ``TRITON_INTERPRET=1``, set before triton is
   first imported — this module imports triton lazily, at the first Triton call);
-* ``torch``: the vectorised torch path on any device;
+* ``torch``: the torch path on any device: :func:`lamina.kernels.torch_sparse.paged_attention_cpu`
+  (sparse ops for decode on CPU float32 pools, with per-step plans cached across layers), which
+  hands prefill chunks and every other case to :mod:`lamina.kernels.torch_batched`;
 * ``ref``: the per-request reference :func:`paged_attention_ref` (slow; the oracle).
 
 Without an importable ``triton``, CPU work falls back to the torch path, and CUDA work (or an
@@ -19,7 +21,7 @@ import os
 import torch
 
 from lamina.kernels.reference import merge_states_ref, paged_attention_ref
-from lamina.kernels.torch_batched import paged_attention_batched
+from lamina.kernels.torch_sparse import paged_attention_cpu
 from lamina.types import AttentionSpec
 
 _CHOICES = ("auto", "triton", "torch", "ref")
@@ -57,7 +59,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         from lamina.kernels.triton_attention import paged_attention_triton
         fn = paged_attention_triton
     elif backend == "torch":
-        fn = paged_attention_batched
+        fn = paged_attention_cpu
     else:
         fn = paged_attention_ref
     return fn(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec)

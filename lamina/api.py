@@ -29,6 +29,7 @@ from lamina.request import Request
 from lamina.scheduler import SchedulerConfig
 from lamina.splitter import split_model
 from lamina.types import SamplingParams
+from lamina.worker import LocalWorker, ReplicaWorker
 
 Prompt = str | list[int]
 
@@ -62,11 +63,12 @@ class LLM:
             dtype=loaded.dtype, kv_cache_gb=kv_cache_gb, kv_cache_tokens=kv_cache_tokens,
             slab_size=slab_size)
         max_len = getattr(cfg, "max_position_embeddings", None)
-        self.engine = Engine(ComputeReplica(self.split, device), self.pool.clients,
-                             self.pool.capacities,
+        worker = LocalWorker(ReplicaWorker(ComputeReplica(self.split, device), self.pool.clients))
+        self.engine = Engine(worker, self.pool.capacities,
                              SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len),
                              eos_token_ids=_eos_ids(loaded.model, self.tokenizer),
-                             tokenizer=self.tokenizer)
+                             tokenizer=self.tokenizer,
+                             vocab_size=getattr(cfg, "vocab_size", None))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:

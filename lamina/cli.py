@@ -1,4 +1,4 @@
-"""The ``lamina`` command line: ``lamina split|generate`` (more subcommands join as they land)."""
+"""The ``lamina`` command line: ``lamina split|generate|launch``."""
 from __future__ import annotations
 
 import argparse
@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget per memory node")
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=cmd_generate)
+
+    from lamina.launch import add_parser as add_launch
+    add_launch(sub)
     return p
 
 

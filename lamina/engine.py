@@ -1,8 +1,8 @@
 """The engine: requests in, tokens out. One scheduler, one compute replica, one memory pool.
 
-Each ``step()`` forms a StepPlan for one micro-batch (continuous batching, chunked prefill),
-prepares the memory nodes, runs the slices with attention fanned out to the nodes, samples, and
-applies stop conditions. The per-micro-batch state lives in :class:`MicroBatch`, so several can
+Each ``step()`` forms a StepPlan for one micro-batch (continuous batching, chunked prefill) and
+its per-node routes, has a compute replica (a :class:`~lamina.worker.WorkerClient`, in this
+process or in a Ray actor) execute it, and applies stop conditions. The per-micro-batch state lives in :class:`MicroBatch`, so several can
 be in flight once pipelining lands; today one is in flight at a time.
 """
 from __future__ import annotations
@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lamina.computenode.replica import ComputeReplica
-from lamina.pool import NodeClient
 from lamina.request import Request
-from lamina.routing import NodeRoute, attend_messages, build_routes, merge_results
+from lamina.routing import NodeRoute, build_routes
 from lamina.scheduler import ScheduledSegment, Scheduler, SchedulerConfig
-from lamina.types import PrepareMsg, SamplingParams, Segment, StepPlan
+from lamina.types import SamplingParams, Segment, StepPlan
+from lamina.worker import WorkerClient
 
 
 @dataclass
@@ -38,17 +37,17 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, replica: ComputeReplica, nodes: list[NodeClient], capacities: list[int],
-                 config: SchedulerConfig, eos_token_ids: set[int] | None = None, tokenizer=None):
-        self.replica = replica
-        self.nodes = nodes
+    def __init__(self, worker: WorkerClient, capacities: list[int], config: SchedulerConfig,
+                 eos_token_ids: set[int] | None = None, tokenizer=None,
+                 vocab_size: int | None = None):
+        self.worker = worker
+        self.vocab_size = vocab_size
         self.scheduler = Scheduler(capacities, config)
         self.eos = set(eos_token_ids or ())
         self.tokenizer = tokenizer
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._steps = itertools.count()
-        self.device = replica.device
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -63,11 +62,6 @@ class Engine:
         self.requests[req.req_id] = req
         return req
 
-    @property
-    def vocab_size(self) -> int | None:
-        src = self.replica.split.source
-        return getattr(getattr(src, "config", None), "vocab_size", None)
-
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -80,22 +74,18 @@ class Engine:
         if not segs:
             return out
         mb = self._form(segs)
-        for route in mb.routes:
-            self.nodes[route.node].prepare(PrepareMsg(mb.plan.step_id, route.works))
         sampled = [s for s in segs if s.sample]
-        tokens = self.replica.execute(mb.plan, self._attend_fn(mb),
-                                      [s.req.req_id for s in sampled],
-                                      [s.req.params for s in sampled])
+        tokens = self.worker.execute(mb.plan, mb.routes, [s.req.req_id for s in sampled],
+                                     [s.req.params for s in sampled])
         self.scheduler.commit(segs)
         finished_ids = []
-        for seg, tok in zip(sampled, tokens.tolist()):
+        for seg, tok in zip(sampled, tokens):
             req = seg.req
             req.output_ids.append(tok)
             out.new_tokens[req.req_id] = tok
             reason = self._stop_reason(req, tok)
             if reason:
                 self.scheduler.finish(req, reason)
-                self.replica.release(req.req_id)
                 finished_ids.append(req.req_id)
                 out.finished.append(req)
         self._free(finished_ids)
@@ -112,19 +102,7 @@ class Engine:
         plan = StepPlan(step_id, 0, [Segment(s.req.req_id, s.start, s.num_tokens) for s in segs],
                         torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                         torch.tensor(rows, dtype=torch.long))
-        return MicroBatch(plan, segs, build_routes(segs, len(ids), self.device))
-
-    def _attend_fn(self, mb: MicroBatch):
-        step_id, T = mb.plan.step_id, mb.plan.num_tokens
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            msgs = attend_messages(step_id, layer, mb.routes, q, k, v)
-            for route, msg in zip(mb.routes, msgs):
-                self.nodes[route.node].send_attend(msg)
-            results = [self.nodes[route.node].recv_attend() for route in mb.routes]
-            return merge_results(mb.routes, results, T).to(q.device)
-
-        return attend
+        return MicroBatch(plan, segs, build_routes(segs, len(ids)))
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
@@ -145,8 +123,7 @@ class Engine:
 
     def _free(self, req_ids: list[int]) -> None:
         if req_ids:
-            for node in self.nodes:
-                node.free(req_ids)
+            self.worker.free(req_ids, release=req_ids)
 
     def abort(self, req: Request, error: Exception) -> None:
         if not req.finished:

@@ -166,3 +166,23 @@ def load_model(name: str | os.PathLike, dtype: torch.dtype | None = None,
             raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
     model = model.to(device).eval()
     return LoadedModel(name=s, model=model, tokenizer=tok, dtype=dtype, device=device, path=path)
+
+
+def load_tokenizer(name: str | os.PathLike):
+    """Only the tokenizer of ``name`` (alias, HF folder or GGUF file); None for factories or
+    folders without one. Cheap: no weights are loaded (the alias is converted once if needed)."""
+    import transformers
+
+    s = str(name)
+    if s in BUILTIN_ALIASES:
+        path = materialize_alias(s)
+    elif ":" in s and not Path(s).exists():
+        return None
+    else:
+        path = Path(s).expanduser()
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None

@@ -55,14 +55,30 @@ def handle(node, msg: Message) -> Message:
 
 def serve(spec: ShmChannelSpec, config: dict[str, Any]) -> None:
     """Child process entry point: build the node from ``config`` and serve until SHUTDOWN."""
-    from lamina.memnode import MemoryNode
-
     torch.set_num_threads(int(config.get("num_threads", 1)))
     ch = ShmChannel.attach(spec)
+    serve_channel(build_node(config), ch)
+
+
+def build_node(config: dict[str, Any]):
+    """A MemoryNode from the plain-data ``config`` made by :func:`node_config`."""
+    from lamina.memnode import MemoryNode
+
+    specs = [AttentionSpec(**s) for s in config["specs"]]
+    return MemoryNode(specs, config["capacity"], slab_size=config["slab_size"],
+                      dtype=getattr(torch, config["dtype"]), device=config["device"])
+
+
+def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: torch.dtype,
+                slab_size: int, num_threads: int = 1) -> dict[str, Any]:
+    return {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "num_threads": num_threads}
+
+
+def serve_channel(node, ch) -> None:
+    """Answer requests on ``ch`` until SHUTDOWN or until the peer is gone."""
     try:
-        specs = [AttentionSpec(**s) for s in config["specs"]]
-        node = MemoryNode(specs, config["capacity"], slab_size=config["slab_size"],
-                          dtype=getattr(torch, config["dtype"]), device=config["device"])
         while True:
             msg = ch.recv()
             ch.send(handle(node, msg))
@@ -77,12 +93,15 @@ def serve(spec: ShmChannelSpec, config: dict[str, Any]) -> None:
 class RemoteNode(NodeClient):
     """Engine-side client of a memory node in another process."""
 
-    def __init__(self, channel: ShmChannel, process: ProcessHandle, name: str):
+    def __init__(self, channel, process: ProcessHandle | None, name: str):
         self.ch = channel
-        self.process = process
+        self.process = process  # None when someone else (Ray) owns the process
         self.name = name
 
     def _fail(self, e: BaseException) -> NodeFailure:
+        if self.process is None:
+            state = "died" if isinstance(e, PeerDied) else "stopped answering"
+            return NodeFailure(f"{self.name} {state}: {e}")
         state = "died" if not self.process.is_alive() else "stopped answering"
         code = getattr(self.process, "exitcode", None)
         return NodeFailure(f"{self.name} (pid {self.process.pid}) {state}"
@@ -120,13 +139,15 @@ class RemoteNode(NodeClient):
         return codec.from_message(self._call(codec.stats_request()))
 
     def close(self) -> None:
-        if self.process.is_alive() and not self.ch.closed:
+        alive = self.process is None or self.process.is_alive()
+        if alive and not self.ch.closed:
             try:
                 self.ch.send(codec.shutdown())
                 self.ch.recv(5.0)
             except Exception:
-                pass  # stop_process below takes care of it
-        stop_process(self.process)
+                pass  # stop_process below (or the process's owner) takes care of it
+        if self.process is not None:
+            stop_process(self.process)
         self.ch.close()
 
 
@@ -136,9 +157,7 @@ def start_remote_nodes(specs: list[AttentionSpec], memory: int, capacity: int, *
                        num_threads: int = 1, ring_bytes: int = 8 << 20) -> MemoryPoolHandle:
     """Start ``memory`` node processes (in parallel) and wait until each answers a PING."""
     launcher = launcher or MultiprocessingLauncher()
-    config = {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
-              "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-              "num_threads": num_threads}
+    config = node_config(specs, capacity, device, dtype, slab_size, num_threads)
     handle_ = MemoryPoolHandle([], [])
     try:
         for i in range(memory):

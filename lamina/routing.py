@@ -22,13 +22,12 @@ class NodeRoute:
 
     node: int
     works: list[ShardWork]
-    q_rows: torch.Tensor  # int64 rows of the step's flattened tokens, in works order
-    kv_rows: torch.Tensor  # int64 rows whose k/v the node appends, in works order
+    q_rows: torch.Tensor  # int64 (CPU) rows of the step's flattened tokens, in works order
+    kv_rows: torch.Tensor  # int64 (CPU) rows whose k/v the node appends, in works order
     identity: bool = False  # q_rows == kv_rows == arange(T): send tensors as they are
 
 
-def build_routes(segs: list[ScheduledSegment], num_tokens: int,
-                 device: torch.device) -> list[NodeRoute]:
+def build_routes(segs: list[ScheduledSegment], num_tokens: int) -> list[NodeRoute]:
     works: dict[int, list[ShardWork]] = {}
     q_rows: dict[int, list[range]] = {}
     kv_rows: dict[int, list[range]] = {}
@@ -49,8 +48,8 @@ def build_routes(segs: list[ScheduledSegment], num_tokens: int,
         q = [i for r in q_rows[node] for i in r]
         kv = [i for r in kv_rows[node] for i in r]
         ident = q == kv == list(range(num_tokens))
-        routes.append(NodeRoute(node, works[node], torch.tensor(q, dtype=torch.long, device=device),
-                                torch.tensor(kv, dtype=torch.long, device=device), ident))
+        routes.append(NodeRoute(node, works[node], torch.tensor(q, dtype=torch.long),
+                                torch.tensor(kv, dtype=torch.long), ident))
     return routes
 
 

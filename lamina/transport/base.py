@@ -16,7 +16,9 @@ Contract shared by all backends (tested by ``tests/transport/test_conformance.py
   is in the ring). Messages that break the channel's :class:`WireLimits` or hold unsupported
   data raise :class:`WireError` and are not sent. ``send`` never times out; it raises
   :class:`ChannelClosed` once either side has closed, :class:`PeerDied` when the peer process
-  is gone while it waits for ring space.
+  is gone while it waits for ring space. A send blocks while the link is full (shm: the ring):
+  as with sockets, two peers that both send more than the link holds and receive only
+  afterwards deadlock, so receive in another thread (or keep what is in flight small).
 * ``recv(timeout=None)`` returns the next message; ``timeout`` (seconds, ``None`` = forever,
   ``0`` = poll) raises ``TimeoutError`` when no whole message arrived in time (a partially
   received message is kept and completed by the next call). It raises :class:`ChannelClosed`

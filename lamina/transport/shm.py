@@ -1,5 +1,5 @@
 """Same-host backend: one single-producer/single-consumer byte ring per direction, each in its
-own ``multiprocessing.shared_memory.SharedMemory`` segment (DESIGN.md §5).
+own POSIX shared-memory segment (DESIGN.md §5).
 
 Messages are encoded with :mod:`lamina.transport.wire` and *streamed* through the ring: the
 writer copies as much as fits and waits for space, the reader copies what is there into a
@@ -12,12 +12,14 @@ writer owns ``head``, the reader ``tail``; position = count % capacity); each si
 "waiting" flag, "closed" flag and pid live there too.
 
 Waiting. A side that finds nothing to do busy-polls for ``spin_us`` microseconds, then sets
-its waiting flag, re-checks, and blocks on a doorbell (a spawn-context
-``multiprocessing.Semaphore``) that the other side releases only when it sees the flag. The
-block is a timed wait of ``wake_interval`` seconds, after which it re-checks the ring, the
-closed flags and the peer's liveness, so an idle receiver costs ~0% CPU and a dead peer is
-noticed within about ``wake_interval``. Flag/counter ordering uses a lock acquire/release as
-a memory fence; the timed wait also bounds any missed wake-up to ``wake_interval``.
+its waiting flag, re-checks, and blocks on a *doorbell*: a named FIFO (``os.mkfifo``) next to
+the segments, which the other side writes one byte to (non-blocking) only when it sees the
+flag. The block is a ``poll`` of at most ``wake_interval`` seconds, after which it re-checks
+the ring, the closed flags and the peer's liveness, so an idle receiver costs ~0% CPU and a
+dead peer is noticed within about ``wake_interval``. Flag/counter ordering uses a lock
+acquire/release as a memory fence; the timed wait also bounds any missed wake-up to
+``wake_interval``. Both ends open every FIFO read-write and non-blocking (Linux semantics:
+opening never blocks, a write never blocks - a full pipe already holds a pending wake-up).
 
 Peer liveness: by default the peer's pid, recorded in the segment when it attached (a zombie
 counts as dead); before the peer attached it counts as alive. Pass ``peer_alive=`` (e.g. the
@@ -26,26 +28,35 @@ attaching. Then a blocked ``recv``/``send`` raises :class:`PeerDied`.
 
 Setup across processes (control plane, not data plane)::
 
-    ch = ShmChannel.create(capacity=8 << 20)             # parent: creates both rings
-    p = multiprocessing.get_context("spawn").Process(target=serve, args=(ch.spec,))
-    p.start(); ch.set_peer_alive(p.is_alive)
-    ...                                                   # child: serve(spec) does
-    peer = ShmChannel.attach(spec)                        #   peer = ShmChannel.attach(spec)
+    ch = ShmChannel.create(capacity=8 << 20)             # creates both rings and doorbells
+    hand ch.spec to the peer: as spawn arguments, pickled (Ray), or ch.spec.to_dict() as JSON
+    peer = ShmChannel.attach(spec)                        # any process of this host and user
+    ch.set_peer_alive(proc.is_alive)                      # optional, see above
 
-The spec holds the segment names and four semaphores; it can be passed as spawn ``Process``
-arguments (or inherited over fork) but not sent later through a queue. The creator unlinks the
-segments on ``close()`` (or when garbage collected / at exit); the child must attach before
-that. A ring must be used by one process pair only (single producer, single consumer).
+:class:`ShmChannelSpec` is plain data (names, a directory, a capacity): any process on the host
+running as the same user can attach, whether or not it was started by the creator. Attaching
+does not register the segments with ``multiprocessing``'s resource tracker, so an attached
+process that exits never unlinks them. The creator removes the segments and the FIFOs on
+``close()`` (or when garbage collected / at interpreter exit); the peer must attach before
+that (afterwards :meth:`ShmChannel.attach` raises :class:`ChannelClosed`). If the creator is
+killed (SIGKILL), the resource tracker still unlinks its segments but the (empty) FIFOs stay
+behind in :attr:`ShmChannelSpec.bell_dir`. A ring must be used by one process pair only
+(single producer, single consumer).
 """
 from __future__ import annotations
 
-import multiprocessing
+import math
+import mmap
 import os
+import re
 import secrets
+import select
+import stat
+import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Callable, Sequence
 
@@ -53,15 +64,20 @@ from lamina.transport.base import Channel, ChannelClosed, PeerDied
 from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, StreamDecoder, WireLimits,
                                    encode)
 
-__all__ = ["RingSpec", "ShmChannelSpec", "ShmChannel", "shm_pair"]
+try:  # attach without registering with multiprocessing's resource tracker (see _Ring)
+    import _posixshmem
+except ImportError:  # pragma: no cover - not POSIX
+    _posixshmem = None
+
+__all__ = ["RingSpec", "ShmChannelSpec", "ShmChannel", "shm_pair", "default_bell_dir"]
 
 _CTL_BYTES = 4096
 # control words (u64 index; x8 = byte offset): one 64-byte line each
 _HEAD, _TAIL, _R_WAIT, _W_WAIT, _W_CLOSED, _R_CLOSED, _W_PID, _R_PID, _MAGIC, _CAP = \
     0, 8, 16, 24, 32, 40, 48, 56, 64, 72
 _RING_MAGIC = int.from_bytes(b"LMNARING", "little")
-_SPAWN = multiprocessing.get_context("spawn")
 _FENCE_LOCK = threading.Lock()
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,200}")
 
 
 def _fence() -> None:
@@ -74,8 +90,8 @@ def _pid_alive(pid: int) -> bool:
     """True unless process ``pid`` is gone or a zombie (Linux /proc; kill(0) elsewhere)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X", b"x")
+            stat_ = f.read()
+        return stat_[stat_.rindex(b")") + 2:][:1] not in (b"Z", b"X", b"x")
     except FileNotFoundError:
         return False
     except (OSError, ValueError):
@@ -88,57 +104,202 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def default_bell_dir() -> str:
+    """Where doorbell FIFOs go: ``/dev/shm`` (next to the segments) when it is a writable
+    directory, else the temporary directory."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+        return "/dev/shm"
+    return tempfile.gettempdir()
+
+
 @dataclass(frozen=True)
 class RingSpec:
-    """One direction: shared-memory segment name, data capacity and its two doorbells."""
+    """One direction, derived from a :class:`ShmChannelSpec`: segment name, data capacity and
+    the paths of its two doorbell FIFOs."""
 
     name: str
     capacity: int
-    data_bell: Any  # released by the writer when the reader sleeps waiting for data
-    space_bell: Any  # released by the reader when the writer sleeps waiting for space
+    data_bell: str  # rung by the writer when the reader sleeps waiting for data
+    space_bell: str  # rung by the reader when the writer sleeps waiting for space
 
 
 @dataclass(frozen=True)
 class ShmChannelSpec:
-    """Everything a peer needs to attach: side "a" (the creator) writes ``a_to_b``."""
+    """Everything a peer needs to attach, as plain data (picklable, JSON via :meth:`to_dict`).
 
-    a_to_b: RingSpec
-    b_to_a: RingSpec
+    ``name``: base name; the segments are ``<name>_ab`` (side "a", the creator, writes) and
+    ``<name>_ba``, the doorbells ``<bell_dir>/<name>_ab.data``, ``..._ab.space``,
+    ``..._ba.data`` and ``..._ba.space``. ``capacity``: data bytes of each ring."""
+
+    name: str
+    capacity: int
+    bell_dir: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
+            raise ValueError(f"bad shm channel name {self.name!r}")
+        if type(self.capacity) is not int or self.capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {self.capacity!r}")
+        if not isinstance(self.bell_dir, str) or not os.path.isabs(self.bell_dir) \
+                or "\0" in self.bell_dir:
+            raise ValueError(f"bell_dir must be an absolute path, got {self.bell_dir!r}")
+
+    def _ring(self, suffix: str) -> RingSpec:
+        name = f"{self.name}_{suffix}"
+        base = os.path.join(self.bell_dir, name)
+        return RingSpec(name, self.capacity, base + ".data", base + ".space")
+
+    @property
+    def a_to_b(self) -> RingSpec:
+        return self._ring("ab")
+
+    @property
+    def b_to_a(self) -> RingSpec:
+        return self._ring("ba")
+
+    def paths(self) -> list[str]:
+        """Filesystem paths behind this spec: the segments (Linux ``/dev/shm``) and FIFOs."""
+        return [p for r in (self.a_to_b, self.b_to_a)
+                for p in (f"/dev/shm/{r.name}", r.data_bell, r.space_bell)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShmChannelSpec":
+        """Inverse of :meth:`to_dict` (e.g. after ``json.loads``); checks keys and types."""
+        if not isinstance(d, dict):
+            raise ValueError(f"an shm channel spec must be a dict, got {type(d).__name__}")
+        want = {f.name for f in fields(cls)}
+        if set(d) != want:
+            raise ValueError(f"shm channel spec keys {sorted(d)}, expected {sorted(want)}")
+        return cls(**d)
+
+
+class _Doorbell:
+    """A named FIFO opened read-write and non-blocking: ``ring`` writes a byte, ``wait`` polls
+    for one (and drains), ``drain`` drops pending rings."""
+
+    def __init__(self, path: str, create: bool) -> None:
+        self.path = path
+        self.fd = -1
+        if create:
+            os.mkfifo(path, 0o600)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+            if not stat.S_ISFIFO(os.fstat(self.fd).st_mode):
+                raise ValueError(f"{path!r} is not a FIFO")
+        except BaseException as exc:
+            self.close(unlink=create)
+            if isinstance(exc, FileNotFoundError):
+                raise ChannelClosed(f"doorbell {path!r} is gone (creator closed)") from None
+            raise
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+
+    def ring(self) -> None:
+        try:
+            os.write(self.fd, b"\x01")
+        except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def wait(self, timeout: float) -> None:
+        """Block until rung or ``timeout`` seconds passed (consumes the pending rings)."""
+        if self._poll.poll(max(1, math.ceil(timeout * 1000))):
+            self.drain()
+
+    def close(self, unlink: bool) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 class _Ring:
-    """A mapped ring segment: ``ctl`` (u64 control words) and ``data`` (bytes)."""
+    """A mapped ring segment: ``ctl`` (u64 control words), ``data`` (bytes) and doorbells."""
 
     def __init__(self, spec: RingSpec, create: bool) -> None:
         self.spec = spec
         self.capacity = spec.capacity
-        self.data_bell = spec.data_bell
-        self.space_bell = spec.space_bell
-        if create:
-            self.shm = SharedMemory(name=spec.name, create=True, size=_CTL_BYTES + spec.capacity)
+        self.shm: SharedMemory | None = None
+        self.mm: mmap.mmap | None = None
+        self.bells: list[_Doorbell] = []
+        size = _CTL_BYTES + spec.capacity
+        if create:  # registered with the resource tracker: unlinked even if we are killed
+            self.shm = SharedMemory(name=spec.name, create=True, size=size)
+            buf = self.shm.buf
         else:
-            try:
-                self.shm = SharedMemory(name=spec.name)
-            except FileNotFoundError:
-                raise ChannelClosed(f"shared memory {spec.name!r} is gone (creator closed)") from None
-        self.ctl = self.shm.buf[:_CTL_BYTES].cast("Q")
-        self.data = self.shm.buf[_CTL_BYTES:_CTL_BYTES + spec.capacity]
-        if create:  # a new segment is zero-filled
-            self.ctl[_CAP] = spec.capacity
-            self.ctl[_MAGIC] = _RING_MAGIC
-        elif self.ctl[_MAGIC] != _RING_MAGIC or self.ctl[_CAP] != spec.capacity:
-            self.release(unlink=False)
-            raise ValueError(f"{spec.name!r} is not a Lamina ring of capacity {spec.capacity}")
+            buf = self._attach(spec.name)
+        self.ctl = buf[:_CTL_BYTES].cast("Q")
+        self.data = buf[_CTL_BYTES:_CTL_BYTES + spec.capacity]
+        try:
+            if create:  # a new segment is zero-filled
+                self.ctl[_CAP] = spec.capacity
+                self.ctl[_MAGIC] = _RING_MAGIC
+            elif len(buf) < size or self.ctl[_MAGIC] != _RING_MAGIC \
+                    or self.ctl[_CAP] != spec.capacity:
+                raise ValueError(f"{spec.name!r} is not a Lamina ring of capacity {spec.capacity}")
+            self.data_bell = self._bell(spec.data_bell, create)
+            self.space_bell = self._bell(spec.space_bell, create)
+        except BaseException:
+            self.release(unlink=create)
+            raise
+
+    def _attach(self, name: str) -> memoryview:
+        """Map an existing segment *without* registering it with multiprocessing's resource
+        tracker (Python < 3.13 registers attachers too, and the tracker of a process that was
+        not started by the creator would unlink the segment when that process exits)."""
+        try:
+            if _posixshmem is None:  # pragma: no cover
+                self.shm = SharedMemory(name=name)
+                return self.shm.buf
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        except FileNotFoundError:
+            raise ChannelClosed(f"shared memory {name!r} is gone (creator closed)") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < _CTL_BYTES:
+                raise ValueError(f"{name!r} is not a Lamina ring ({size} bytes)")
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._buf = memoryview(self.mm)
+        return self._buf
+
+    def _bell(self, path: str, create: bool) -> _Doorbell:
+        bell = _Doorbell(path, create)
+        self.bells.append(bell)
+        return bell
 
     def release(self, unlink: bool) -> None:
-        """Unmap (when no view is alive) and, for the creator, unlink the segment."""
-        self.ctl.release()
-        self.data.release()
+        """Unmap (when no view is alive), close the doorbells and, for the creator, unlink the
+        segment and the FIFOs."""
+        for view in ("ctl", "data"):
+            if hasattr(self, view):
+                getattr(self, view).release()
+        for bell in self.bells:
+            bell.close(unlink)
+        self.bells = []
         try:
-            self.shm.close()
+            if self.shm is not None:
+                self.shm.close()
+            if self.mm is not None:
+                self._buf.release()
+                self.mm.close()
         except BufferError:  # a stray view is alive; the mapping goes with the process
             pass
-        if unlink:
+        if unlink and self.shm is not None:
             try:
                 self.shm.unlink()
             except FileNotFoundError:
@@ -195,20 +356,25 @@ class ShmChannel(Channel):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def create(cls, capacity: int = 8 << 20, **kwargs: Any) -> "ShmChannel":
-        """Create both rings (``capacity`` data bytes each) and return end "a"; hand
+    def create(cls, capacity: int = 8 << 20, *, bell_dir: str | None = None,
+               **kwargs: Any) -> "ShmChannel":
+        """Create both rings (``capacity`` data bytes each) and their doorbell FIFOs (in
+        ``bell_dir``, default :func:`default_bell_dir`) and return end "a"; hand
         ``channel.spec`` to the peer, which calls :meth:`attach`."""
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        base = f"lamina_{os.getpid()}_{secrets.token_hex(6)}"
-        spec = ShmChannelSpec(
-            RingSpec(base + "_ab", capacity, _SPAWN.Semaphore(0), _SPAWN.Semaphore(0)),
-            RingSpec(base + "_ba", capacity, _SPAWN.Semaphore(0), _SPAWN.Semaphore(0)))
+        if type(capacity) is not int or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        name = f"lamina_{os.getpid()}_{secrets.token_hex(6)}"
+        spec = ShmChannelSpec(name, capacity, os.path.abspath(bell_dir or default_bell_dir()))
         return cls(spec, "a", **kwargs)
 
     @classmethod
-    def attach(cls, spec: ShmChannelSpec, **kwargs: Any) -> "ShmChannel":
-        """Open end "b" of the link described by ``spec`` (in this or another process)."""
+    def attach(cls, spec: ShmChannelSpec | dict[str, Any], **kwargs: Any) -> "ShmChannel":
+        """Open end "b" of the link described by ``spec`` (or its :meth:`~ShmChannelSpec.to_dict`)
+        in this or any other process of the host."""
+        if isinstance(spec, dict):
+            spec = ShmChannelSpec.from_dict(spec)
+        if not isinstance(spec, ShmChannelSpec):
+            raise TypeError(f"expected a ShmChannelSpec, got {type(spec).__name__}")
         return cls(spec, "b", **kwargs)
 
     # ------------------------------------------------------------------ liveness / state
@@ -232,7 +398,7 @@ class ShmChannel(Channel):
 
     # ------------------------------------------------------------------ waiting
 
-    def _wait(self, ring: _Ring, flag: int, bell: Any, ready: Callable[[], bool],
+    def _wait(self, ring: _Ring, flag: int, bell: _Doorbell, ready: Callable[[], bool],
               check: Callable[[], None], deadline: float | None) -> bool:
         """Spin, then block on ``bell`` until ``ready()``; False when ``deadline`` passed.
         ``check()`` runs after each timed wake and raises to abort (closed / peer died)."""
@@ -243,8 +409,7 @@ class ShmChannel(Channel):
             if ready():
                 return True
         while True:
-            while bell.acquire(False):  # drop stale rings before announcing we sleep
-                pass
+            bell.drain()  # drop stale rings before announcing we sleep
             ring.ctl[flag] = 1
             _fence()
             if ready():
@@ -257,7 +422,7 @@ class ShmChannel(Channel):
                     ring.ctl[flag] = 0
                     return False
                 wait = min(wait, left)
-            bell.acquire(timeout=wait)
+            bell.wait(wait)
             ring.ctl[flag] = 0
             if ready():
                 return True
@@ -303,6 +468,8 @@ class ShmChannel(Channel):
                 src = memoryview(buf).cast("B")
                 off, total = 0, len(src)
                 while off < total:
+                    if self._closed:  # closed from another thread mid-message
+                        raise ChannelClosed("shm channel is closed")
                     free = cap - (self._tx_head - ctl[_TAIL])
                     if free <= 0:
                         self._wait(ring, _W_WAIT, ring.space_bell, has_space, self._check_tx, None)
@@ -317,7 +484,7 @@ class ShmChannel(Channel):
                     ctl[_HEAD] = self._tx_head
                     _fence()  # head before reading the reader's waiting flag
                     if ctl[_R_WAIT]:
-                        ring.data_bell.release()
+                        ring.data_bell.ring()
 
     def recv(self, timeout: float | None = None) -> Message:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
@@ -345,7 +512,7 @@ class ShmChannel(Channel):
                 ctl[_TAIL] = self._rx_tail
                 _fence()  # tail before reading the writer's waiting flag
                 if ctl[_W_WAIT]:
-                    ring.space_bell.release()
+                    ring.space_bell.ring()
                 msg = self._dec.advance(n)
                 if msg is not None:
                     return msg
@@ -362,7 +529,7 @@ class ShmChannel(Channel):
         _fence()
         for bell in (self._tx.data_bell, self._rx.space_bell,  # wake the peer
                      self._rx.data_bell, self._tx.space_bell):  # wake our own threads
-            bell.release()
+            bell.ring()
         limit = 5.0 + 2 * self._wake
         got_tx = self._tx_lock.acquire(timeout=limit)
         got_rx = self._rx_lock.acquire(timeout=limit)
@@ -371,8 +538,14 @@ class ShmChannel(Channel):
                 self._finalizer()
             elif self.side == "a":  # a thread is still inside: keep the mapping, drop the names
                 for ring in (self._tx, self._rx):
+                    for path in (ring.spec.data_bell, ring.spec.space_bell):
+                        try:
+                            os.unlink(path)
+                        except FileNotFoundError:
+                            pass
                     try:
-                        ring.shm.unlink()
+                        if ring.shm is not None:
+                            ring.shm.unlink()
                     except FileNotFoundError:
                         pass
         finally:

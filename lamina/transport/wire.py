@@ -71,6 +71,8 @@ class MsgKind(IntEnum):
     ERROR = 10
     SHUTDOWN = 11
     PING = 12
+    STEP = 13  # engine -> compute replica: one StepPlan with its routes (lamina.step_codec)
+    TOKENS = 14  # compute replica -> engine: the step's sampled token ids
 
 
 _DTYPE_CODES: dict[torch.dtype, int] = {

@@ -1,7 +1,9 @@
 """Transport test fixtures: a session-end check that no shared-memory segment created by this
-process survives (segments are named ``lamina_<creator pid>_<random>_ab|_ba``)."""
+process survives (segments are named ``lamina_<creator pid>_<random>_ab|_ba``), and a per-test
+watchdog that turns a hang into tracebacks and an exit instead of a stalled run."""
 from __future__ import annotations
 
+import faulthandler
 import gc
 import glob
 import os
@@ -18,3 +20,10 @@ def no_leaked_shm_segments():
     yield
     gc.collect()
     assert leaked_segments() == [], "shared-memory segments leaked by the transport tests"
+
+
+@pytest.fixture(autouse=True)
+def hang_watchdog():
+    faulthandler.dump_traceback_later(180, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

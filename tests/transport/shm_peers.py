@@ -1,16 +1,21 @@
-"""Peers for the transport tests: an echo service run in a thread or in a spawned process.
+"""Peers for the transport tests: an echo service run in a thread, in a spawned process, or in
+a process started with ``subprocess`` (``python shm_peers.py '<spec as JSON>'``).
 
 Module-level functions only, so a ``spawn`` child can import them by name (this folder is on
 ``sys.path`` under pytest's default import mode and the child inherits ``sys.path``).
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
 import threading
 import time
 
 from lamina.transport import ChannelClosed, MsgKind, PeerDied, ShmChannel
 from lamina.transport.base import Channel
+from lamina.transport.shm import ShmChannelSpec
+from lamina.transport.tcp import TcpChannel
 
 
 def serve_one(ch: Channel) -> None:
@@ -46,7 +51,15 @@ def serve_one(ch: Channel) -> None:
 
 def serve_specs(specs: list) -> None:
     """Spawned-process entry: attach every spec and echo on each in its own thread."""
-    chans = [ShmChannel.attach(spec) for spec in specs]
+    serve_all([ShmChannel.attach(spec) for spec in specs])
+
+
+def serve_tcp(host: str, port: int, n: int) -> None:
+    """Spawned-process entry: open ``n`` connections to ``(host, port)`` and echo on each."""
+    serve_all([TcpChannel.connect(host, port, timeout=60) for _ in range(n)])
+
+
+def serve_all(chans: list) -> None:
     threads = [threading.Thread(target=serve_one, args=(ch,), daemon=True) for ch in chans]
     for t in threads:
         t.start()
@@ -61,3 +74,10 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":  # python shm_peers.py '{"name": ..., "capacity": ..., "bell_dir": ...}'
+    channel = ShmChannel.attach(ShmChannelSpec.from_dict(json.loads(sys.argv[1])))
+    print("attached", flush=True)
+    serve_one(channel)
+    channel.close()

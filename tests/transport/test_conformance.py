@@ -1,10 +1,10 @@
 """One conformance suite for every Channel backend (DESIGN.md §5).
 
-Backends: ``local`` (in-process queue), ``shm_thread`` (shared-memory rings, peer in a thread of
-this process) and ``shm_process`` (shared-memory rings, peer in a real ``spawn`` child). The
-peer echoes every message (tests/transport/shm_peers.py). Expected values come from the test
-itself (the tensors it sent, bytes it built with ``struct`` from the documented layout), never
-from the code under test.
+Backends: ``local`` (in-process queue), ``shm_thread`` / ``shm_process`` (shared-memory rings)
+and ``tcp_thread`` / ``tcp_process`` (a TCP connection over loopback), each with the peer in a
+thread of this process or in a real ``spawn`` child. The peer echoes every message
+(tests/transport/shm_peers.py). Expected values come from the test itself (the tensors it sent,
+bytes it built with ``struct`` from the documented layout), never from the code under test.
 """
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ import torch
 
 from lamina.transport import (ChannelClosed, Message, MsgKind, PeerDied, ShmChannel, WireError,
                               codec, local_pair, shm_pair)
+from lamina.transport.tcp import TcpChannel, TcpListener
+from lamina.transport.wire import encode_bytes
 from lamina.types import AttendMsg, AttendResult, KVChunk, NodeStats, PrepareMsg, ShardWork
-from shm_peers import cpu_seconds, serve_one, serve_specs
+from shm_peers import cpu_seconds, serve_one, serve_specs, serve_tcp
 from wire_cases import MALFORMED, MALFORMED_MATCH, assert_same
 
-BACKENDS = ["local", "shm_thread", "shm_process"]
-SHM_BACKENDS = ["shm_thread", "shm_process"]
-N_FRESH = 24  # dedicated (breakable) channels served by the spawned peer
+BACKENDS = ["local", "shm_thread", "shm_process", "tcp_thread", "tcp_process"]
+STREAM_BACKENDS = ["shm_thread", "shm_process", "tcp_thread", "tcp_process"]  # byte streams
+N_FRESH = 24  # dedicated (breakable) channels served by each spawned peer
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.float64, torch.int16, torch.int8]
 
@@ -33,21 +35,51 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32
 # ------------------------------------------------------------------------------ fixtures
 
 
-class ProcessPeer:
-    """A spawned child echoing on one main channel (8 MiB rings) and N_FRESH small ones."""
+def tcp_pair(**kw) -> tuple[TcpChannel, TcpChannel]:
+    """Both ends of a loopback TCP link in this process."""
+    with TcpListener("127.0.0.1", 0) as lis:
+        b = TcpChannel.connect(*lis.address, **kw)
+        try:
+            return lis.accept(timeout=10, **kw), b
+        except BaseException:
+            b.close()
+            raise
 
-    def __init__(self) -> None:
-        self.main = ShmChannel.create(8 << 20)
-        self.fresh_chans = [ShmChannel.create(64 << 10) for _ in range(N_FRESH)]
-        self.chans = [self.main] + self.fresh_chans
-        self.proc = mp.get_context("spawn").Process(
-            target=serve_specs, args=([c.spec for c in self.chans],), daemon=True)
-        self.proc.start()
+
+class ProcessPeer:
+    """A spawned child echoing on one main channel and N_FRESH more. ``kind`` "shm": 8 MiB main
+    ring and 64 KiB ones; "tcp": 1 + N_FRESH connections to a listener of ours."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        ctx = mp.get_context("spawn")
+        if kind == "shm":
+            self.chans = [ShmChannel.create(8 << 20)] + \
+                [ShmChannel.create(64 << 10) for _ in range(N_FRESH)]
+            self.proc = ctx.Process(target=serve_specs, args=([c.spec for c in self.chans],),
+                                    daemon=True)
+            self.proc.start()
+        else:
+            with TcpListener("127.0.0.1", 0) as lis:
+                self.proc = ctx.Process(target=serve_tcp, args=(*lis.address, 1 + N_FRESH),
+                                        daemon=True)
+                self.proc.start()
+                self.chans = []
+                try:
+                    for _ in range(1 + N_FRESH):
+                        self.chans.append(lis.accept(timeout=120))
+                except BaseException:
+                    self.shutdown()
+                    raise
         for c in self.chans:
             c.set_peer_alive(self.proc.is_alive)
+        self.main = self.chans[0]
+        self.fresh_chans = self.chans[1:]
         self._next = 0
 
-    def fresh(self) -> ShmChannel:
+    def fresh(self):
+        if self._next == len(self.fresh_chans):
+            raise RuntimeError(f"all {N_FRESH} dedicated channels are used: raise N_FRESH")
         ch = self.fresh_chans[self._next]
         self._next += 1
         return ch
@@ -56,16 +88,26 @@ class ProcessPeer:
         for c in self.chans:
             c.close()
         self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
-def process_peer():
-    peer = ProcessPeer()
+def shm_process_peer():
+    peer = ProcessPeer("shm")
     yield peer
-    names = [r.name for c in peer.chans for r in (c.spec.a_to_b, c.spec.b_to_a)]
+    paths = [p for c in peer.chans for p in c.spec.paths()]
     peer.shutdown()
     assert peer.proc.exitcode == 0
-    assert [n for n in names if os.path.exists(f"/dev/shm/{n}")] == []
+    assert [p for p in paths if os.path.exists(p)] == []  # segments and doorbell FIFOs
+
+
+@pytest.fixture(scope="module")
+def tcp_process_peer():
+    peer = ProcessPeer("tcp")
+    yield peer
+    peer.shutdown()
+    assert peer.proc.exitcode == 0
 
 
 def sync(ch) -> None:
@@ -77,10 +119,19 @@ def sync(ch) -> None:
 
 
 def _thread_link(backend: str):
-    a, b = local_pair() if backend == "local" else shm_pair(8 << 20)
+    if backend == "local":
+        a, b = local_pair()
+    elif backend == "shm_thread":
+        a, b = shm_pair(8 << 20)
+    else:
+        a, b = tcp_pair()
     t = threading.Thread(target=serve_one, args=(b,), daemon=True)
     t.start()
     return a, b, t
+
+
+def _process_peer(backend: str, request) -> ProcessPeer:
+    return request.getfixturevalue(backend.replace("_process", "_process_peer"))
 
 
 @pytest.fixture(params=BACKENDS)
@@ -90,9 +141,9 @@ def backend(request) -> str:
 
 @pytest.fixture
 def link(backend, request):
-    """Our end of a channel whose peer echoes; shared with other tests for shm_process."""
-    if backend == "shm_process":
-        ch = request.getfixturevalue("process_peer").main
+    """Our end of a channel whose peer echoes; shared with other tests for *_process."""
+    if backend.endswith("_process"):
+        ch = _process_peer(backend, request).main
         yield ch
         sync(ch)
         return
@@ -107,8 +158,8 @@ def link(backend, request):
 @pytest.fixture
 def fresh_link(backend, request):
     """Like ``link`` but never shared: the test may break or close it."""
-    if backend == "shm_process":
-        yield request.getfixturevalue("process_peer").fresh()
+    if backend.endswith("_process"):
+        yield _process_peer(backend, request).fresh()
         return
     a, b, t = _thread_link(backend)
     yield a
@@ -238,13 +289,53 @@ def test_send_rejects_what_cannot_travel(link, bad):
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-@pytest.mark.parametrize("backend", SHM_BACKENDS)
+@pytest.mark.parametrize("backend", STREAM_BACKENDS)
 def test_malformed_stream_raises_wire_error(fresh_link, case):
     fresh_link.send(Message(MsgKind.PING, meta={"inject": MALFORMED[case].hex()}))
     with pytest.raises(WireError, match=MALFORMED_MATCH[case]):
         fresh_link.recv(timeout=30)  # rejected on the header/descriptors: no allocation, no wait
     with pytest.raises(WireError):  # the stream cannot be resynchronised
         fresh_link.recv(timeout=30)
+
+
+@pytest.mark.parametrize("backend", STREAM_BACKENDS)
+def test_partial_message_survives_a_timeout(link):
+    """The peer writes a message in two pieces; a recv that times out in between keeps the
+    first piece, and the next recv completes the message."""
+    m = Message(MsgKind.ATTEND, step_id=4, meta={"x": 1}, tensors=[torch.arange(1000)])
+    data = encode_bytes(m)
+    for cut in (10, 48, 200, len(data) - 1):  # inside the header, after it, inside the data
+        link.send(Message(MsgKind.PING, meta={"inject": data[:cut].hex()}))
+        with pytest.raises(TimeoutError):
+            link.recv(timeout=0.2)  # the first piece has arrived by now (or soon after)
+        link.send(Message(MsgKind.PING, meta={"inject": data[cut:].hex()}))
+        out = link.recv(timeout=30)
+        assert (out.kind, out.step_id, out.meta) == (m.kind, 4, {"x": 1})
+        assert_same(m.tensors, out.tensors)
+
+
+def test_concurrent_senders_keep_messages_whole(link):
+    """Four threads send at once (messages larger than a socket buffer's worth or a ring's
+    64 KiB so a torn write would show); every message arrives whole and in per-thread order."""
+    n, per = 4, 12
+
+    def sender(k):
+        for i in range(per):
+            link.send(Message(MsgKind.KV, step_id=k, layer=i,
+                              tensors=[torch.full((50_000,), k * 1000 + i, dtype=torch.int32)]))
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    got = [link.recv(timeout=60) for _ in range(n * per)]
+    for t in threads:
+        t.join()
+    for k in range(n):
+        mine = [g for g in got if g.step_id == k]
+        assert [g.layer for g in mine] == list(range(per))
+        for g in mine:
+            assert torch.equal(g.tensors[0], torch.full((50_000,), k * 1000 + g.layer,
+                                                        dtype=torch.int32))
 
 
 # ------------------------------------------------------------------------------ close, death
@@ -289,40 +380,77 @@ def test_local_hands_over_tensors_without_copy():
     b.close()
 
 
-def test_peer_death_detected_across_processes():
-    """A child that dies while we wait: recv (pid-based default check, the dead child is an
-    unreaped zombie) and send into a full ring (``peer_alive`` hook) both raise PeerDied."""
+@pytest.mark.parametrize("backend", STREAM_BACKENDS)
+def test_peer_alive_hook_reports_death(fresh_link):
+    """When the liveness hook says the peer is gone, a blocked recv raises PeerDied (within
+    about the backend's wake interval) although the link itself is still open."""
+    fresh_link.set_peer_alive(lambda: False)
+    t0 = time.monotonic()
+    with pytest.raises(PeerDied):
+        fresh_link.recv(timeout=30)
+    assert time.monotonic() - t0 < 5
+
+
+def _shm_death_setup():
     by_pid = ShmChannel.create(1 << 16, wake_interval=0.02)
     by_hook = ShmChannel.create(4096, wake_interval=0.02)
     proc = mp.get_context("spawn").Process(target=serve_specs,
                                            args=([by_pid.spec, by_hook.spec],), daemon=True)
     proc.start()
+    return proc, by_pid, by_hook
+
+
+def _tcp_death_setup():
+    with TcpListener("127.0.0.1", 0) as lis:
+        proc = mp.get_context("spawn").Process(target=serve_tcp, args=(*lis.address, 2),
+                                               daemon=True)
+        proc.start()
+        chans = []
+        try:
+            chans = [lis.accept(timeout=120, wake_interval=0.02) for _ in range(2)]
+        except BaseException:
+            proc.kill()
+            raise
+    chans[0].set_peer_alive(proc.is_alive)  # TCP cannot tell death from close without a hook
+    return proc, chans[0], chans[1]
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_peer_death_detected_across_processes(kind):
+    """A child that dies while we wait: recv raises PeerDied (shm: pid-based default check, the
+    dead child is an unreaped zombie; tcp: the ``peer_alive`` hook), and so does a send of more
+    than the link holds (``peer_alive`` hook)."""
+    proc, by_recv, by_send = _shm_death_setup() if kind == "shm" else _tcp_death_setup()
     try:
-        by_hook.set_peer_alive(proc.is_alive)
-        for ch in (by_pid, by_hook):
+        by_send.set_peer_alive(proc.is_alive)
+        for ch in (by_recv, by_send):
             ch.send(Message(MsgKind.PING, meta={"ready": 1}))
             assert ch.recv(timeout=120).meta == {"ready": 1}
-        assert by_pid.peer_alive() and by_hook.peer_alive()
-        by_pid.send(Message(MsgKind.PING, meta={"exit": 3}))
+        assert by_recv.peer_alive() and by_send.peer_alive()
+        by_recv.send(Message(MsgKind.PING, meta={"exit": 3}))
         with pytest.raises(PeerDied):
-            by_pid.recv()  # blocks until the child is gone
-        with pytest.raises(PeerDied):
-            by_hook.send(Message(MsgKind.KV, tensors=[torch.zeros(1 << 16)]))  # > ring
-        assert not by_pid.peer_alive()
+            by_recv.recv()  # blocks until the child is gone
+        with pytest.raises(PeerDied):  # more than the ring / the socket buffers hold
+            by_send.send(Message(MsgKind.KV, tensors=[torch.zeros(1 << 16 if kind == "shm"
+                                                                  else 16 << 20)]))
+        if kind == "shm":
+            assert not by_recv.peer_alive()
         proc.join(30)
         assert proc.exitcode == 3
     finally:
-        by_pid.close()
-        by_hook.close()
+        by_recv.close()
+        by_send.close()
         if proc.is_alive():
             proc.kill()
 
 
-def test_idle_receivers_use_almost_no_cpu(process_peer):
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_idle_receivers_use_almost_no_cpu(kind, request):
     """The spawned peer has 1 + N_FRESH threads blocked in recv; so has, below, one thread of
     ours. CPU time (not wall time) over ~1 s must stay far below one core."""
-    sync(process_peer.main)
-    a, b = shm_pair(1 << 16)
+    peer = request.getfixturevalue(f"{kind}_process_peer")
+    sync(peer.main)
+    a, b = shm_pair(1 << 16) if kind == "shm" else tcp_pair(peer_alive=lambda: True)
     used = []
 
     def idle():
@@ -331,14 +459,14 @@ def test_idle_receivers_use_almost_no_cpu(process_peer):
             b.recv(timeout=1.0)
         used.append(time.thread_time() - t0)
 
-    child0 = cpu_seconds(process_peer.proc.pid)
+    child0 = cpu_seconds(peer.proc.pid)
     t = threading.Thread(target=idle)
     t.start()
     t.join()
-    child = cpu_seconds(process_peer.proc.pid) - child0
+    child = cpu_seconds(peer.proc.pid) - child0
     a.close()
     b.close()
-    print(f"\nidle recv thread: {used[0]:.4f} CPU-s over 1 s; spawned peer with "
+    print(f"\n{kind}: idle recv thread: {used[0]:.4f} CPU-s over 1 s; spawned peer with "
           f"{1 + N_FRESH} blocked receivers: {child:.3f} CPU-s")
     assert used[0] < 0.1
     assert child < 0.3

@@ -1,0 +1,90 @@
+"""A compute replica in another process (a Ray actor): its serve loop and the engine's client.
+
+Requests, one reply each, in order: STEP -> TOKENS, FREE -> OK, STATS -> OK with every memory
+node's stats, PING -> OK, SHUTDOWN -> OK then the loop ends. A failing request gets an ERROR
+reply; a memory node failure (NodeFailure) is reported the same way and re-raised on the
+engine side as NodeFailure.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from lamina.pool import NodeFailure
+from lamina.step_codec import parse_step, parse_tokens, step_message, tokens_message
+from lamina.transport import codec
+from lamina.transport.base import ChannelClosed, PeerDied
+from lamina.transport.wire import Message, MsgKind
+from lamina.types import NodeStats
+from lamina.worker import ReplicaWorker, WorkerClient
+
+codec.register_error(NodeFailure)
+REPLY_TIMEOUT_S = 600.0
+
+
+def handle_worker(worker: ReplicaWorker, msg: Message) -> Message:
+    try:
+        if msg.kind == MsgKind.STEP:
+            return tokens_message(msg.step_id, worker.execute(*parse_step(msg)))
+        if msg.kind == MsgKind.FREE:
+            worker.free([int(r) for r in msg.meta["req_ids"]],
+                        [int(r) for r in msg.meta.get("release", [])])
+            return codec.ok()
+        if msg.kind == MsgKind.STATS:
+            return codec.ok({"nodes": [asdict(s) for s in worker.stats()]})
+        if msg.kind in (MsgKind.PING, MsgKind.SHUTDOWN):
+            return codec.ok()
+        raise ValueError(f"compute replica cannot handle a {msg.kind.name} message")
+    except Exception as e:
+        return codec.to_message(e)
+
+
+def serve_worker(worker: ReplicaWorker, ch) -> None:
+    """Answer the engine on ``ch`` until SHUTDOWN or until the engine is gone."""
+    try:
+        while True:
+            msg = ch.recv()
+            ch.send(handle_worker(worker, msg))
+            if msg.kind == MsgKind.SHUTDOWN:
+                break
+    except (PeerDied, ChannelClosed):
+        pass
+    finally:
+        ch.close()
+        for node in worker.nodes:
+            node.close()
+
+
+class RemoteWorker(WorkerClient):
+    """Engine-side client of a compute replica reached over a channel."""
+
+    def __init__(self, channel, name: str = "compute replica 0"):
+        self.ch = channel
+        self.name = name
+
+    def _call(self, msg: Message, timeout: float = REPLY_TIMEOUT_S) -> Message:
+        try:
+            self.ch.send(msg)
+            return codec.raise_if_error(self.ch.recv(timeout))
+        except (PeerDied, ChannelClosed, TimeoutError) as e:
+            raise NodeFailure(f"{self.name} is unreachable: {e}") from e
+
+    def execute(self, plan, routes, req_ids, params) -> list[int]:
+        return parse_tokens(self._call(step_message(plan, routes, req_ids, params)))
+
+    def free(self, req_ids: list[int], release: list[int]) -> None:
+        self._call(Message(MsgKind.FREE, meta={"req_ids": list(req_ids),
+                                               "release": list(release)}))
+
+    def stats(self) -> list[NodeStats]:
+        nodes = self._call(Message(MsgKind.STATS)).meta["nodes"]
+        return [NodeStats(**{**n, "shards": {int(k): tuple(v) for k, v in n["shards"].items()}})
+                for n in nodes]
+
+    def close(self) -> None:
+        if not self.ch.closed:
+            try:
+                self.ch.send(Message(MsgKind.SHUTDOWN))
+                self.ch.recv(5.0)
+            except Exception:
+                pass
+            self.ch.close()

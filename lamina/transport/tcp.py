@@ -1,0 +1,253 @@
+"""Across hosts: the wire protocol over a TCP stream (DESIGN.md §5).
+
+``send`` writes :func:`~lamina.transport.wire.encode`'s buffers with ``sendmsg`` (no copy into
+one big bytes object); ``recv`` fills a :class:`~lamina.transport.wire.StreamDecoder` with
+``recv_into``, so the limits are checked before anything large is allocated (a malformed or
+over-limit header raises :class:`~lamina.transport.wire.WireError` and poisons the receiving
+direction). ``TCP_NODELAY`` is set: per-layer messages are latency-bound.
+
+A ``send`` blocks until the kernel took every byte, i.e. while the peer does not read a large
+message (as with shm's full ring: receive in another thread). A ``recv`` blocks in ``poll``;
+``close()`` from another thread shuts the socket down, which wakes it.
+
+End of stream (or a reset) means the peer closed (:class:`ChannelClosed`) - or died
+(:class:`PeerDied`) when a ``peer_alive`` hook says so: TCP cannot tell a closed socket from a
+dead process, so without a hook it is always :class:`ChannelClosed`. The hook is also polled
+every ``wake_interval`` seconds while a ``recv`` waits, which catches a peer whose host went
+away without closing the connection; after an end of stream it is polled for up to
+``death_grace`` seconds, since a dying process closes its sockets just before it is reaped.
+
+Servers bind to 127.0.0.1 unless told otherwise::
+
+    listener = TcpListener("127.0.0.1", 0)     # server: port 0 picks a free port
+    host, port = listener.address              # hand (host, port) to the peer (control plane)
+    ch = listener.accept(timeout=30)           # server side of the link
+    peer = TcpChannel.connect(host, port)      # client side
+"""
+from __future__ import annotations
+
+import math
+import select
+import socket
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from lamina.transport.base import Channel, ChannelClosed, PeerDied
+from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, StreamDecoder, WireLimits,
+                                   encode)
+
+__all__ = ["TcpChannel", "TcpListener"]
+
+_IOV_MAX = 512
+_MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_MSG_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_POLL_IN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+
+
+class TcpChannel(Channel):
+    """One end of a TCP link (see the module docstring). Build with :meth:`connect` or
+    :meth:`TcpListener.accept`, or wrap a connected stream socket.
+
+    ``peer_alive``: optional liveness hook (e.g. a child's ``is_alive``). ``wake_interval``:
+    seconds between hook checks while a ``recv`` waits (without a hook it sleeps until data,
+    end of stream or ``close``). ``death_grace``: how long to keep asking the hook after an end
+    of stream before calling it a close."""
+
+    def __init__(self, sock: socket.socket, *, limits: WireLimits = DEFAULT_LIMITS,
+                 peer_alive: Callable[[], bool] | None = None, wake_interval: float = 0.25,
+                 death_grace: float = 0.25) -> None:
+        if wake_interval <= 0 or death_grace < 0:
+            raise ValueError("wake_interval must be > 0 and death_grace >= 0")
+        if sock.type != socket.SOCK_STREAM:
+            raise ValueError("a TcpChannel needs a stream socket")
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(True)
+        self.sock = sock
+        self.limits = limits
+        self._peer_alive = peer_alive
+        self._wake = wake_interval
+        self._grace = death_grace
+        self._dec = StreamDecoder(limits)
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), _POLL_IN)
+        self._tx_lock = threading.Lock()
+        self._rx_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._eof: ConnectionError | None = None  # what the end of the stream meant
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float = 30.0, **kw: Any) -> "TcpChannel":
+        """Connect to a :class:`TcpListener`, retrying a refused connection until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                sock = socket.create_connection(
+                    (host, port), timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        try:
+            return cls(sock, **kw)
+        except BaseException:
+            sock.close()
+            raise
+
+    # ------------------------------------------------------------------ liveness / state
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def set_peer_alive(self, fn: Callable[[], bool] | None) -> None:
+        """Install (or with ``None`` remove) the peer-liveness hook."""
+        self._peer_alive = fn
+
+    def peer_alive(self) -> bool:
+        """The hook's answer; without a hook, whether no end of stream was seen."""
+        if self._peer_alive is not None:
+            return bool(self._peer_alive())
+        return not isinstance(self._eof, PeerDied)
+
+    def _gone(self, why: str) -> ConnectionError:
+        """Classify an end of stream / broken connection: PeerDied if the hook says so (asked
+        for up to ``death_grace`` seconds), else ChannelClosed. Remembered for later calls."""
+        if self._eof is None:
+            if self._closed:
+                return ChannelClosed("tcp channel is closed")
+            exc: ConnectionError = ChannelClosed(f"peer closed the tcp channel ({why})")
+            fn = self._peer_alive
+            if fn is not None:
+                end = time.monotonic() + self._grace
+                while True:
+                    if not fn():
+                        exc = PeerDied(f"tcp peer died ({why})")
+                        break
+                    if time.monotonic() >= end:
+                        break
+                    time.sleep(0.005)
+            self._eof = exc
+        return type(self._eof)(*self._eof.args)
+
+    # ------------------------------------------------------------------ data path
+
+    def send(self, msg: Message) -> None:
+        self.send_raw(encode(msg, self.limits))
+
+    def send_raw(self, buffers: Sequence[Buffer]) -> None:
+        """Write bytes to the stream unchecked: for forwarding messages already encoded with
+        :func:`~lamina.transport.wire.encode` (and for tests that inject malformed input)."""
+        bufs = [m for m in (memoryview(b).cast("B") for b in buffers) if len(m)]
+        with self._tx_lock:
+            if self._closed:
+                raise ChannelClosed("tcp channel is closed")
+            if self._eof is not None:
+                raise self._gone("end of stream")
+            try:
+                while bufs:
+                    n = self.sock.sendmsg(bufs[:_IOV_MAX], [], _MSG_NOSIGNAL)
+                    while n:
+                        if n >= len(bufs[0]):
+                            n -= len(bufs.pop(0))
+                        else:
+                            bufs[0] = bufs[0][n:]
+                            n = 0
+            except OSError as e:  # EPIPE, ECONNRESET, EBADF after close, ...
+                if self._closed:
+                    raise ChannelClosed("tcp channel is closed") from e
+                raise self._gone(f"send: {e}") from e
+
+    def recv(self, timeout: float | None = None) -> Message:
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        with self._rx_lock:
+            while True:
+                if self._closed:
+                    raise ChannelClosed("tcp channel is closed")
+                view = self._dec.buffer()  # raises WireError once the stream is corrupt
+                if self._eof is not None:
+                    raise self._gone("end of stream")
+                try:
+                    n = self.sock.recv_into(view, len(view), _MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    n = -1
+                except OSError as e:  # ECONNRESET, or EBADF after a close from another thread
+                    if self._closed:
+                        raise ChannelClosed("tcp channel is closed") from e
+                    raise self._gone(f"recv: {e}") from e
+                finally:
+                    view.release()
+                if n == 0:
+                    raise self._gone("end of stream")
+                if n > 0:
+                    msg = self._dec.advance(n)
+                    if msg is not None:
+                        return msg
+                    continue
+                # nothing there: wait for readability, the deadline or a hook check
+                wait = None if self._peer_alive is None else self._wake
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"no message within {timeout} s")
+                    wait = left if wait is None else min(wait, left)
+                ready = self._poll.poll(None if wait is None else max(1, math.ceil(wait * 1000)))
+                if not ready and self._peer_alive is not None and not self._peer_alive():
+                    raise PeerDied("tcp peer died (recv)")
+
+    def close(self) -> None:
+        """Close this end: shut the socket down (the peer sees an end of stream after what was
+        sent; a recv/send blocked in another thread of this end wakes and raises
+        ChannelClosed), then release it once no thread uses it."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        got_tx = self._tx_lock.acquire(timeout=5.0)
+        got_rx = self._rx_lock.acquire(timeout=5.0)
+        try:
+            if got_tx and got_rx:  # nobody inside: the fd cannot be reused under a syscall
+                self.sock.close()
+        finally:
+            if got_tx:
+                self._tx_lock.release()
+            if got_rx:
+                self._rx_lock.release()
+
+
+class TcpListener:
+    """A listening socket; ``accept`` returns one :class:`TcpChannel` per connection."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, backlog: int = 16) -> None:
+        self.sock = socket.create_server((host, port), backlog=backlog)
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]
+
+    def accept(self, timeout: float | None = None, **kw: Any) -> TcpChannel:
+        """Wait up to ``timeout`` seconds (``None`` = forever) for one connection; ``kw`` go to
+        :class:`TcpChannel`."""
+        self.sock.settimeout(timeout)
+        try:
+            conn, _ = self.sock.accept()
+        except socket.timeout as e:
+            raise TimeoutError(f"no connection within {timeout} s") from e
+        try:
+            return TcpChannel(conn, **kw)
+        except BaseException:
+            conn.close()
+            raise
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "TcpListener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,137 @@
+"""``lamina launch`` end to end with the official ``openai`` client: compute=1, memory=2,
+placed by a local Ray instance; once with the default transport (shm on one host) and once
+forced to tcp, whose outputs must be identical. Shutdown leaves no process behind."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+KEY = "test-key"
+PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(32)]
+RESULTS: dict[str, dict] = {}
+
+
+def _lamina_processes() -> set[int]:
+    """Live (non-zombie) processes of Ray or lamina on this host."""
+    found = set()
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and (
+                "ray::" in cmd or "raylet" in cmd or "gcs_server" in cmd or "lamina launch" in cmd
+                or "ray/dashboard" in cmd or "ray/_private" in cmd or "ray/autoscaler" in cmd):
+            found.add(p.info["pid"])
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["auto", "tcp"])
+def server(request):
+    before = _lamina_processes()
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lamina.cli", "launch", "--model", "smollm2", "--compute", "1",
+         "--memory", "2", "--port", str(port), "--api-key", KEY, "--transport", request.param,
+         "--kv-cache-tokens", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ready = proc.stdout.readline()  # blocks until the readiness line (or exit)
+    assert ready.startswith("Lamina ready: http://127.0.0.1:"), ready
+    expect = "tcp/tcp,tcp" if request.param == "tcp" else "shm/shm,shm"
+    assert expect in ready, ready
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+    yield request.param, client, port
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Lamina stopped" in out
+    deadline = time.time() + 30
+    while _lamina_processes() - before and time.time() < deadline:
+        time.sleep(0.5)
+    assert _lamina_processes() - before == set()  # shutdown leaves nothing behind
+
+
+def _greedy(client, prompt, **kw):
+    return client.completions.create(model="smollm2", prompt=prompt, max_tokens=8,
+                                     temperature=0, **kw)
+
+
+def test_completions_and_chat_stream_and_not(server):
+    name, client, _ = server
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    r = _greedy(client, "The capital of France is")
+    assert r.choices[0].text and r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].text for c in _greedy(client, "The capital of France is",
+                                                          stream=True))
+    assert streamed == r.choices[0].text
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12,
+                                          temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    parts, usage = [], None
+    for c in client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}):
+        if c.choices:
+            parts.append(c.choices[0].delta.content or "")
+        if c.usage:
+            usage = c.usage
+    assert "".join(parts) == chat.choices[0].message.content
+    assert usage.completion_tokens == chat.usage.completion_tokens
+    RESULTS.setdefault(name, {})["chat"] = chat.choices[0].message.content
+
+
+def test_32_concurrent_requests_match_single_requests(server):
+    name, client, _ = server
+    single = [_greedy(client, p).choices[0].text for p in PROMPTS]
+    with cf.ThreadPoolExecutor(32) as ex:
+        together = list(ex.map(lambda p: _greedy(client, p).choices[0].text, PROMPTS))
+    assert together == single
+    RESULTS.setdefault(name, {})["completions"] = single
+    other = RESULTS.get("tcp" if name == "auto" else "auto")
+    if other and "completions" in other:  # the second transport to run compares
+        assert single == other["completions"]  # tcp outputs identical to shm outputs
+
+
+def test_errors_are_openai_style_4xx_and_the_server_keeps_serving(server):
+    _, client, port = server
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model="smollm2", prompt="x", max_tokens=2, top_p=3)
+    with pytest.raises(openai.BadRequestError, match="does not fit in the KV capacity"):
+        client.completions.create(model="smollm2", prompt="word " * 1100, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="smollm2", prompt="x", max_tokens=0)
+    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong-key",
+                        max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="smollm2", prompt="x", max_tokens=2)
+    import urllib.error
+    import urllib.request
+    no_key = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(no_key)
+    assert e.value.code == 401 and b"invalid_api_key" in e.value.read()
+    assert _greedy(client, "Still serving?").choices[0].text  # keeps serving
+    health = urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read()
+    assert b"ok" in health
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    for name in ("lamina_requests_running", "lamina_requests_waiting", "lamina_kv_slots_used",
+                 "lamina_generated_tokens_total", "lamina_time_to_first_token_seconds_bucket",
+                 "lamina_time_between_tokens_seconds_bucket"):
+        assert name in metrics
