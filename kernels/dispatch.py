@@ -8,6 +8,8 @@
 * ``torch``: the torch path on any device: :func:`lamina.kernels.torch_sparse.paged_attention_cpu`
   (sparse ops for decode on CPU float32 pools, with per-step plans cached across layers), which
   hands prefill chunks and every other case to :mod:`lamina.kernels.torch_batched`;
+* ``batched``: :func:`lamina.kernels.torch_batched.paged_attention_batched` for everything (the
+  padded-``bmm`` path that was the CPU default before the sparse one; for A/B runs);
 * ``ref``: the per-request reference :func:`paged_attention_ref` (slow; the oracle).
 
 Without an importable ``triton``, CPU work falls back to the torch path, and CUDA work (or an
@@ -21,10 +23,11 @@ import os
 import torch
 
 from lamina.kernels.reference import merge_states_ref, paged_attention_ref
+from lamina.kernels.torch_batched import paged_attention_batched
 from lamina.kernels.torch_sparse import paged_attention_cpu
 from lamina.types import AttentionSpec
 
-_CHOICES = ("auto", "triton", "torch", "ref")
+_CHOICES = ("auto", "triton", "torch", "batched", "ref")
 
 
 def triton_available() -> bool:
@@ -33,7 +36,7 @@ def triton_available() -> bool:
 
 
 def backend_for(device: torch.device) -> str:
-    """The implementation (``triton``, ``torch`` or ``ref``) used for tensors on ``device``."""
+    """The implementation (``triton``, ``torch``, ``batched`` or ``ref``) for ``device``."""
     choice = os.environ.get("LAMINA_KERNELS", "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"LAMINA_KERNELS={choice!r}: expected one of {', '.join(_CHOICES)}")
@@ -60,6 +63,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         fn = paged_attention_triton
     elif backend == "torch":
         fn = paged_attention_cpu
+    elif backend == "batched":
+        fn = paged_attention_batched
     else:
         fn = paged_attention_ref
     return fn(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec)

@@ -6,7 +6,8 @@ depends only on them can be done once per step. :func:`lookup` returns a stored 
 the hashable ``key`` matches and every index tensor is *equal* (same shape, dtype and values,
 ``torch.equal``) to a private copy taken when the plan was stored: a caller that reuses or
 mutates its tensors can never get a stale plan. Plans are per thread (no locking, and a plan's
-buffers are never shared between threads); the ``CAPACITY`` most recently used are kept.
+buffers are never shared between threads); the ``CAPACITY`` most recently used are kept, fewer
+when they hold more than ``CAPACITY_BYTES`` together (the newest one is always kept).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 CAPACITY = 8
+CAPACITY_BYTES = 256 << 20
 _LOCAL = threading.local()
 
 
@@ -37,7 +39,7 @@ def _same(saved: Sequence[torch.Tensor], index: Sequence[torch.Tensor]) -> bool:
 def lookup(key: Any, index: Sequence[torch.Tensor]) -> Any | None:
     """The plan stored under ``key`` for index tensors equal to ``index``, or None."""
     entries = _entries()
-    for i, (k, saved, plan) in enumerate(entries):
+    for i, (k, saved, plan, _) in enumerate(entries):
         if k == key and len(saved) == len(index) and _same(saved, index):
             if i:
                 entries.insert(0, entries.pop(i))
@@ -45,11 +47,20 @@ def lookup(key: Any, index: Sequence[torch.Tensor]) -> Any | None:
     return None
 
 
-def store(key: Any, index: Sequence[torch.Tensor], plan: Any) -> None:
-    """Remember ``plan`` for ``key`` and (copies of) ``index``; evicts the least recently used."""
+def store(key: Any, index: Sequence[torch.Tensor], plan: Any, nbytes: int = 0) -> None:
+    """Remember ``plan`` (holding about ``nbytes``) for ``key`` and (copies of) ``index``;
+    evicts the least recently used plans beyond ``CAPACITY`` or ``CAPACITY_BYTES``."""
     entries = _entries()
-    entries.insert(0, (key, tuple(t.clone() for t in index), plan))
+    saved = tuple(t.clone() for t in index)
+    nbytes += sum(t.numel() * t.element_size() for t in saved)
+    entries.insert(0, (key, saved, plan, nbytes))
     del entries[CAPACITY:]
+    total = 0
+    for i, entry in enumerate(entries):
+        total += entry[3]
+        if i and total > CAPACITY_BYTES:
+            del entries[i:]
+            break
 
 
 def clear() -> None:

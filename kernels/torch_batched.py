@@ -1,4 +1,7 @@
-"""Vectorised torch paged attention: the fast CPU path (DESIGN.md §4).
+"""Vectorised torch paged attention with padded ``bmm`` (DESIGN.md §4).
+
+On CPU the default path is :mod:`lamina.kernels.torch_sparse`, which hands this module its
+prefill chunks and every input it does not take (other devices, non-float32 pools).
 
 Same contract as :func:`lamina.kernels.reference.paged_attention_ref` (``q[T,H,D]``,
 ``k_pool/v_pool[S,Hkv,D]``, CSR ``qo_indptr/kv_indptr/kv_indices``, ``q_positions[T]``,
@@ -65,7 +68,8 @@ def _workspace(numel: int, device: torch.device) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32, device=device)
     buf = getattr(_WORKSPACE, "buf", None)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = torch.empty(numel, dtype=torch.float32)
         _WORKSPACE.buf = buf
     return buf[:numel]
 

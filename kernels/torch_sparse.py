@@ -1,6 +1,6 @@
 """Sparse-op torch paged attention: the default CPU path (DESIGN.md §4).
 
-Same contract as :func:`lamina.kernels.reference.paged_attention_ref`. Decode (and short
+Same contract as :func:`lamina.kernels.reference.paged_attention_ref`. Decode (and most
 extend) queries are computed without gathering K/V into a padded buffer, with two stock
 sparse kernels that read pool rows in place:
 
@@ -20,15 +20,18 @@ tensors for every layer of a step, so later layers skip all index work. A cached
 reused when the new index tensors are equal to the ones it was built from (compared with
 ``torch.equal``), so reuse never changes results.
 
-Requests with more than ``max_sparse_q`` queries (prefill chunks), non-float32 pools, and
-non-CPU tensors go to :func:`lamina.kernels.torch_batched.paged_attention_batched` (padded
-``bmm``), which is also what long extends should use: a GEMM beats per-score dot products there.
+Requests with more than ``max_sparse_q`` queries (prefill chunks) go to the padded ``bmm`` of
+:mod:`lamina.kernels.torch_batched` when that computes fewer than ``SPARSE_EXTEND_COST`` times
+as many scores as the sparse path would (a GEMM over a dense block beats per-score dot products;
+ragged prompts pad a lot, so they go sparse). Non-float32 pools and non-CPU tensors go to
+:func:`lamina.kernels.torch_batched.paged_attention_batched` whole.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,8 +40,10 @@ from lamina.kernels.torch_batched import (MAX_SCORE_ELEMS, MIN_CHUNK_BYTES, _att
                                           _request_chunks, paged_attention_batched)
 from lamina.types import AttentionSpec
 
-MAX_SPARSE_Q = 1  # requests with at most this many queries take the sparse path
+MAX_SPARSE_Q = 8  # requests with at most this many queries take the sparse path
+SPARSE_EXTEND_COST = 2.5  # sparse cost per score / padded-bmm cost per score (measured, 2 cores)
 _NEG = float("-inf")
+_INT32_LIMIT = 2**31  # CSR / bag indices are int32 below this many pool rows and entries
 
 
 @dataclass
@@ -51,66 +56,110 @@ class SparsePlan:
     offsets: torch.Tensor  # [Tg*H] bag starts (same dtype as col)
     pos: torch.Tensor  # int64 [nnz] position of each entry in the [Tg*H*Nmax] buffer
     scores: torch.Tensor  # float32 [Tg*H, Nmax] buffer, -inf except at ``pos``
+    flat_scores: torch.Tensor  # the same buffer, flat
     extend: list[tuple[torch.Tensor, ...]]  # old-path request chunks (q_off, q_len, ...)
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.col, self.offsets, self.pos, self.scores] + [t for c in self.extend for t in c]
+        ts += [] if self.rows is None else [self.rows]
+        ts += [] if self.pattern is None else [self.pattern.values()]  # (shares col, offsets)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _split(q_len: np.ndarray, kv_len: np.ndarray, starts: np.ndarray, q_pos: np.ndarray,
+           req_of_row: np.ndarray, spec: AttentionSpec, max_sparse_q: int, extend_cost: float,
+           max_score_elems: int, min_chunk_bytes: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Which requests take the sparse path, and the padded path's request chunks of the rest.
+
+    Requests with at most ``max_sparse_q`` queries go sparse. Longer ones (prefill chunks) go
+    sparse too when ``extend_cost * (scores the sparse path computes)`` is below the padded
+    path's ``[requests, Qmax, Nmax]`` score count (ragged prompts pad a lot; a GEMM over a
+    dense block beats per-score dot products). The sparse rows' ``[rows * H, Nmax]`` softmax
+    buffer is kept under ``max_score_elems`` (else only decode rows go sparse).
+    """
+    H = spec.num_heads
+    active = (q_len > 0) & (kv_len > 0)
+
+    def chunks(mask: np.ndarray) -> list[np.ndarray]:  # sorted by KV length, little padding
+        ext = np.flatnonzero(mask)
+        ext = ext[np.argsort(kv_len[ext], kind="stable")]
+        cuts = _request_chunks(kv_len[ext].tolist(), 2 * spec.num_kv_heads * spec.head_dim * 4,
+                               min_chunk_bytes) if ext.size else []
+        return [ext[lo:hi] for lo, hi in cuts]
+
+    def elems(mask: np.ndarray) -> int:
+        return int(q_len[mask].sum()) * H * int(kv_len[mask].max()) if mask.any() else 0
+
+    sparse = active & (q_len <= max_sparse_q)
+    longer = active & ~sparse
+    if longer.any() and extend_cost < float("inf") and elems(active) <= max_score_elems:
+        padded = sum(c.size * int(q_len[c].max()) * int(kv_len[c].max()) for c in chunks(longer))
+        req = req_of_row[longer[req_of_row]]
+        qp = q_pos[longer[req_of_row]]
+        lo = starts[req] if spec.window is None else np.maximum(starts[req], qp - spec.window + 1)
+        seen = np.clip(np.minimum(qp, starts[req] + kv_len[req] - 1) - lo + 1, 0, None).sum()
+        if extend_cost * seen < padded:
+            sparse = active
+    if elems(sparse) > max_score_elems:
+        sparse = active & (q_len == 1)
+    return sparse, chunks(active & ~sparse)
 
 
 def _build_plan(T: int, S: int, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                 kv_indices: torch.Tensor, q_positions: torch.Tensor, kv_start_pos: torch.Tensor,
-                spec: AttentionSpec, max_sparse_q: int, min_chunk_bytes: int) -> SparsePlan:
+                spec: AttentionSpec, max_sparse_q: int, sparse_extend_cost: float,
+                max_score_elems: int, min_chunk_bytes: int) -> SparsePlan:
+    """Index work of one call (numpy: a few dozen small array ops, ~0.2 ms for 16 requests)."""
     H, Hkv, G = spec.num_heads, spec.num_kv_heads, spec.group_size
-    qo, kv = qo_indptr.long(), kv_indptr.long()
-    starts, q_pos, slots_all = kv_start_pos.long(), q_positions.long(), kv_indices.long()
-    q_len, kv_len = qo.diff(), kv.diff()
-    R = q_len.numel()
-    active = (q_len > 0) & (kv_len > 0)
-    sparse_req = active & (q_len <= max_sparse_q)
-
-    # old path: extend requests sorted by KV length, cut into request chunks
-    extend: list[tuple[torch.Tensor, ...]] = []
-    ext = (active & (q_len > max_sparse_q)).nonzero().flatten()
-    if ext.numel():
-        ext = ext[torch.argsort(kv_len[ext], stable=True)]
-        bytes_per_token = 2 * Hkv * spec.head_dim * 4
-        for lo, hi in _request_chunks(kv_len[ext].tolist(), bytes_per_token, min_chunk_bytes):
-            r = ext[lo:hi]
-            extend.append((qo[r], q_len[r], kv[r], kv_len[r], starts[r]))
+    qo, kv, starts, q_pos, slots_all = (t.numpy().astype(np.int64, copy=False) for t in
+                                         (qo_indptr, kv_indptr, kv_start_pos, q_positions,
+                                          kv_indices))
+    q_len, kv_len = np.diff(qo), np.diff(kv)
+    R = q_len.size
+    req_of_row = np.repeat(np.arange(R), q_len)
+    sparse_req, chunks = _split(q_len, kv_len, starts, q_pos, req_of_row, spec, max_sparse_q,
+                                sparse_extend_cost, max_score_elems, min_chunk_bytes)
+    extend = [tuple(torch.from_numpy(a[r]) for a in (qo, q_len, kv, kv_len, starts))
+              for r in chunks]
 
     # sparse path: one CSR row per (query row, head) over the keys that query sees
-    req_of_row = torch.repeat_interleave(torch.arange(R), q_len, output_size=T)
-    rows = sparse_req[req_of_row].nonzero().flatten()
+    rows = np.flatnonzero(sparse_req[req_of_row])
     req = req_of_row[rows]
-    n_max = int(kv_len[req].max()) if rows.numel() else 0
-    n = torch.arange(n_max)
+    n = np.arange(kv_len[req].max() if rows.size else 0)
     k_pos = starts[req, None] + n  # [Tg, Nmax]
     qp = q_pos[rows, None]
     vis = (n < kv_len[req, None]) & (k_pos <= qp)
     if spec.window is not None:
         vis &= (qp - k_pos) < spec.window
     keep = vis.any(1)  # a row that sees no key is left out: its o = 0, lse = -inf
-    if not bool(keep.all()):
+    if not keep.all():
         rows, req, vis = rows[keep], req[keep], vis[keep]
-    Tg = rows.numel()
+    Tg, n_max = rows.size, n.size
     if Tg == 0:
         empty = torch.zeros(0, dtype=torch.long)
-        return SparsePlan(torch.zeros(0, dtype=torch.long), None, empty, empty, empty,
-                          torch.zeros(0, 0), extend)
-    key = kv[req, None] + torch.minimum(n, kv_len[req, None] - 1)  # in-range for every n
-    pool_row = slots_all[key] * Hkv  # [Tg, Nmax]
-    vis3 = vis[:, None, :].expand(Tg, H, n_max)
-    col = (pool_row[:, None, :] + (torch.arange(H) // G)[:, None])[vis3]
-    pos = vis3.reshape(-1).nonzero().flatten()
-    crow = torch.zeros(Tg * H + 1, dtype=torch.long)
-    torch.cumsum(vis.sum(1).repeat_interleave(H), 0, out=crow[1:])
-    idx_dtype = torch.int32 if max(S * Hkv, col.numel()) < 2**31 else torch.int64
-    col, crow = col.to(idx_dtype), crow.to(idx_dtype)
+        return SparsePlan(empty, None, empty, empty, empty, torch.zeros(0, 0), torch.zeros(0),
+                          extend)
+    key = kv[req, None] + np.minimum(n, kv_len[req, None] - 1)  # in range for every n
+    slots = slots_all[key]
+    used = slots[vis]
+    if used.min() < 0 or used.max() >= S:
+        raise IndexError(f"paged_attention: kv_indices hold slots outside the pool [0, {S})")
+    pos = np.flatnonzero(np.broadcast_to(vis[:, None, :], (Tg, H, n_max)))
+    col = (slots[:, None, :] * Hkv + (np.arange(H) // G)[:, None]).reshape(-1)[pos]
+    crow = np.zeros(Tg * H + 1, dtype=np.int64)
+    np.cumsum(np.repeat(vis.sum(1), H), out=crow[1:])
+    idx_dtype = np.int32 if max(S * Hkv, col.size) < _INT32_LIMIT else np.int64
+    col, crow = torch.from_numpy(col.astype(idx_dtype)), torch.from_numpy(crow.astype(idx_dtype))
     with warnings.catch_warnings():  # "sparse CSR support is in beta"
         warnings.simplefilter("ignore")
         pattern = torch.sparse_csr_tensor(crow, col, torch.zeros(col.numel()),
                                           size=(Tg * H, S * Hkv))
-    scores = torch.full((Tg * H, n_max), _NEG)
-    if Tg == T and not extend:  # every row, in order (after the `keep` filter above)
-        rows = None
-    return SparsePlan(rows, pattern, col, crow[:-1], pos, scores, extend)
+    with torch.inference_mode(False):  # written in place by calls in and out of inference mode
+        scores = torch.full((Tg * H, n_max), _NEG)
+    every_row = Tg == T and not extend  # all rows, in order (nothing filtered above)
+    return SparsePlan(None if every_row else torch.from_numpy(rows), pattern, col, crow[:-1],
+                      torch.from_numpy(pos), scores, scores.view(-1), extend)
 
 
 def sparse_eligible(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
@@ -124,16 +173,17 @@ def _attend_sparse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    plan: SparsePlan, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o[Tg*H, D], lse[Tg*H])`` float32 for the plan's sparse rows."""
     S, Hkv, D = k_pool.shape
-    qg = q if plan.rows is None else q.index_select(0, plan.rows)
-    qg = qg.reshape(-1, D).float()
+    qg = (q if plan.rows is None else q.index_select(0, plan.rows)).reshape(-1, D)
+    if qg.dtype != torch.float32:
+        qg = qg.float()
     alpha = spec.scale / spec.softcap if spec.softcap else spec.scale
     s = torch.sparse.sampled_addmm(plan.pattern, qg, k_pool.view(S * Hkv, D).t(),
                                    beta=0.0, alpha=alpha).values()
     if spec.softcap:
         s = s.tanh_().mul_(spec.softcap)
-    dense = plan.scores.view(-1).scatter_(0, plan.pos, s).view(plan.scores.shape)
-    p = torch.softmax(dense, -1)
-    lse = dense.amax(-1).sub_(p.amax(-1).log_())
+    plan.flat_scores.scatter_(0, plan.pos, s)
+    p = torch.softmax(plan.scores, -1)
+    lse = plan.scores.amax(-1).sub_(p.amax(-1).log_())
     w = p.view(-1).index_select(0, plan.pos)
     o = F.embedding_bag(plan.col, v_pool.view(S * Hkv, D), plan.offsets, mode="sum",
                         per_sample_weights=w)
@@ -145,14 +195,17 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                         kv_indices: torch.Tensor, q_positions: torch.Tensor,
                         kv_start_pos: torch.Tensor, spec: AttentionSpec, *,
                         max_sparse_q: int = MAX_SPARSE_Q,
+                        sparse_extend_cost: float = SPARSE_EXTEND_COST,
                         max_score_elems: int = MAX_SCORE_ELEMS,
                         min_chunk_bytes: int = MIN_CHUNK_BYTES,
                         cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention, sparse ops for short queries (see the module docstring).
 
     Inputs that the sparse path does not take (see :func:`sparse_eligible`) go to
-    :func:`paged_attention_batched` whole. ``max_sparse_q``, ``max_score_elems`` and
-    ``min_chunk_bytes`` only trade speed for memory; ``cache=False`` rebuilds the plan.
+    :func:`paged_attention_batched` whole. ``max_sparse_q`` and ``sparse_extend_cost`` choose
+    the path of each request (see :func:`_split`; ``sparse_extend_cost=inf`` keeps every request
+    with more than ``max_sparse_q`` queries on the padded path), ``max_score_elems`` and
+    ``min_chunk_bytes`` bound memory; none changes results. ``cache=False`` rebuilds the plan.
     """
     T, H, D = q.shape
     if H != spec.num_heads or k_pool.shape[1:] != (spec.num_kv_heads, D) or D != spec.head_dim:
@@ -169,17 +222,20 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                 torch.full((T, H), _NEG, dtype=torch.float32))
     S = k_pool.shape[0]
     index = (qo_indptr, kv_indptr, kv_start_pos, q_positions, kv_indices)
-    key = (T, S, H, spec.num_kv_heads, D, spec.window, max_sparse_q, min_chunk_bytes)
+    key = (T, S, H, spec.num_kv_heads, D, spec.window, max_sparse_q, sparse_extend_cost,
+           max_score_elems, min_chunk_bytes)
     plan = plan_cache.lookup(key, index) if cache else None
     if plan is None:
         plan = _build_plan(T, S, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos,
-                           spec, max_sparse_q, min_chunk_bytes)
+                           spec, max_sparse_q, sparse_extend_cost, max_score_elems,
+                           min_chunk_bytes)
         if cache:
-            plan_cache.store(key, index, plan)
+            plan_cache.store(key, index, plan, plan.nbytes)
     if plan.pattern is not None:
         o_s, lse_s = _attend_sparse(q, k_pool, v_pool, plan, spec)
         if plan.rows is None:
-            return o_s.view(T, H, D).to(q.dtype), lse_s.view(T, H)
+            o_s = o_s.view(T, H, D)
+            return (o_s if q.dtype == torch.float32 else o_s.to(q.dtype)), lse_s.view(T, H)
     o = torch.zeros((T, H, D), dtype=q.dtype)
     lse = torch.full((T, H), _NEG, dtype=torch.float32)
     if plan.pattern is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -77,17 +77,25 @@ def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: t
 
 
 def serve_channel(node, ch) -> None:
-    """Answer requests on ``ch`` until SHUTDOWN or until the peer is gone."""
+    """Answer a memory node's requests on ``ch`` until SHUTDOWN or until the peer is gone."""
+    serve_loop(ch, lambda msg: handle(node, msg))
+
+
+def serve_loop(ch, handler: Callable[[Message], Message],
+               on_exit: Callable[[], None] | None = None) -> None:
+    """One reply per request, in order, until SHUTDOWN or until the peer is gone."""
     try:
         while True:
             msg = ch.recv()
-            ch.send(handle(node, msg))
+            ch.send(handler(msg))
             if msg.kind == MsgKind.SHUTDOWN:
                 break
     except (PeerDied, ChannelClosed):
-        pass  # the engine is gone: exit quietly
+        pass  # the peer is gone: exit quietly
     finally:
         ch.close()
+        if on_exit is not None:
+            on_exit()
 
 
 class RemoteNode(NodeClient):

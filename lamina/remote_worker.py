@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from lamina.pool import NodeFailure
+from lamina.remote import serve_loop
 from lamina.step_codec import parse_step, parse_tokens, step_message, tokens_message
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied
@@ -39,19 +40,14 @@ def handle_worker(worker: ReplicaWorker, msg: Message) -> Message:
 
 
 def serve_worker(worker: ReplicaWorker, ch) -> None:
-    """Answer the engine on ``ch`` until SHUTDOWN or until the engine is gone."""
-    try:
-        while True:
-            msg = ch.recv()
-            ch.send(handle_worker(worker, msg))
-            if msg.kind == MsgKind.SHUTDOWN:
-                break
-    except (PeerDied, ChannelClosed):
-        pass
-    finally:
-        ch.close()
+    """Answer the engine on ``ch`` until SHUTDOWN or until the engine is gone; then close the
+    replica's memory-node connections."""
+
+    def close_nodes() -> None:
         for node in worker.nodes:
             node.close()
+
+    serve_loop(ch, lambda msg: handle_worker(worker, msg), on_exit=close_nodes)
 
 
 class RemoteWorker(WorkerClient):

@@ -7,20 +7,21 @@
 * :mod:`~lamina.transport.base`  - the ``Channel`` interface (``send``/``recv``/``close``),
   ``ChannelClosed``, ``PeerDied``.
 * backends: :mod:`~lamina.transport.local` (same process, no copy), :mod:`~lamina.transport.shm`
-  (same host, shared-memory rings). ``tcp`` (across hosts) and ``verbs`` (RDMA) are future
-  modules of this package implementing the same ``Channel`` and passing
-  ``tests/transport/test_conformance.py``.
+  (same host, shared-memory rings; the spec is plain data), :mod:`~lamina.transport.tcp`
+  (across hosts). ``verbs`` (RDMA) is a future module of this package implementing the same
+  ``Channel`` and passing ``tests/transport/test_conformance.py``.
 """
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
 from lamina.transport.codec import RemoteError, from_message, register_error, to_message
 from lamina.transport.local import LocalChannel, local_pair
 from lamina.transport.shm import ShmChannel, ShmChannelSpec, shm_pair
+from lamina.transport.tcp import TcpChannel, TcpListener
 from lamina.transport.wire import (DEFAULT_LIMITS, SUPPORTED_DTYPES, Message, MsgKind,
                                    StreamDecoder, WireError, WireLimits, decode, encode,
                                    encode_bytes)
 
 __all__ = ["Channel", "ChannelClosed", "PeerDied", "RemoteError", "from_message",
            "register_error", "to_message", "LocalChannel", "local_pair", "ShmChannel",
-           "ShmChannelSpec", "shm_pair", "DEFAULT_LIMITS", "SUPPORTED_DTYPES", "Message",
-           "MsgKind", "StreamDecoder", "WireError", "WireLimits", "decode", "encode",
+           "ShmChannelSpec", "shm_pair", "TcpChannel", "TcpListener", "DEFAULT_LIMITS",
+           "SUPPORTED_DTYPES", "Message", "MsgKind", "StreamDecoder", "WireError", "WireLimits", "decode", "encode",
            "encode_bytes"]

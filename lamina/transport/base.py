@@ -5,18 +5,20 @@ A :class:`Channel` is one end of a duplex, ordered, reliable message link betwee
 
 * ``local`` - same process; the Message object is handed over (no encoding, no copy).
 * ``shm``   - same host, separate processes; one shared-memory byte ring per direction.
-* ``tcp``   - across hosts: *not built yet* (a later issue). It belongs in ``tcp.py`` as a
-  Channel subclass that writes :func:`lamina.transport.wire.encode`'s buffers with
-  ``socket.sendmsg`` and reads with ``sock.recv_into(StreamDecoder.buffer())``, so it shares
-  the wire format, the limit checks and this conformance suite.
+* ``tcp``   - across hosts: :func:`lamina.transport.wire.encode`'s buffers written with
+  ``socket.sendmsg``, read with ``sock.recv_into(StreamDecoder.buffer())``. TCP cannot tell a
+  closed peer from a dead one: it reports :class:`PeerDied` only through a ``peer_alive`` hook.
 
 Contract shared by all backends (tested by ``tests/transport/test_conformance.py``):
 
 * ``send(msg)`` returns once the message is handed to the link (local: queued; shm: every byte
-  is in the ring). Messages that break the channel's :class:`WireLimits` or hold unsupported
-  data raise :class:`WireError` and are not sent. ``send`` never times out; it raises
-  :class:`ChannelClosed` once either side has closed, :class:`PeerDied` when the peer process
-  is gone while it waits for ring space. A send blocks while the link is full (shm: the ring):
+  is in the ring; tcp: the kernel took every byte). Messages that break the channel's
+  :class:`WireLimits` or hold unsupported data raise :class:`WireError` and are not sent.
+  ``send`` never times out; it raises :class:`ChannelClosed` once either side has closed (tcp:
+  once this end saw the peer's close - a send racing it may still succeed into the socket
+  buffer), :class:`PeerDied` when the peer process is gone while it waits for ring space (tcp:
+  when the connection breaks and the hook says so). A send blocks while the link is full (shm:
+  the ring; tcp: the socket buffers):
   as with sockets, two peers that both send more than the link holds and receive only
   afterwards deadlock, so receive in another thread (or keep what is in flight small).
 * ``recv(timeout=None)`` returns the next message; ``timeout`` (seconds, ``None`` = forever,

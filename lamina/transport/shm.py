@@ -26,6 +26,11 @@ counts as dead); before the peer attached it counts as alive. Pass ``peer_alive=
 parent's ``process.is_alive``) to decide yourself; this also covers a child that dies before
 attaching. Then a blocked ``recv``/``send`` raises :class:`PeerDied`.
 
+Names. Segments and FIFOs are named only until the peer attaches: the attaching end removes
+the names right away (both ends keep their mappings and open FIFOs), so nothing is left behind
+whichever process is killed later, and a spec can be attached once. If no peer ever attaches,
+the creator removes them on ``close()``, when garbage collected or at interpreter exit.
+
 Setup across processes (control plane, not data plane)::
 
     ch = ShmChannel.create(capacity=8 << 20)             # creates both rings and doorbells
@@ -35,13 +40,13 @@ Setup across processes (control plane, not data plane)::
 
 :class:`ShmChannelSpec` is plain data (names, a directory, a capacity): any process on the host
 running as the same user can attach, whether or not it was started by the creator. Attaching
-does not register the segments with ``multiprocessing``'s resource tracker, so an attached
-process that exits never unlinks them. The creator removes the segments and the FIFOs on
-``close()`` (or when garbage collected / at interpreter exit); the peer must attach before
-that (afterwards :meth:`ShmChannel.attach` raises :class:`ChannelClosed`). If the creator is
-killed (SIGKILL), the resource tracker still unlinks its segments but the (empty) FIFOs stay
-behind in :attr:`ShmChannelSpec.bell_dir`. A ring must be used by one process pair only
-(single producer, single consumer).
+does not register the segments with ``multiprocessing``'s resource tracker (whose exit would
+unlink them under the creator). The peer must attach before the creator closes (afterwards
+:meth:`ShmChannel.attach` raises :class:`ChannelClosed`). If the creator is killed (SIGKILL,
+or SIGTERM without a handler) *before* a peer attached, its segments are unlinked by its
+resource tracker when that exits (for a ``multiprocessing`` child: the tracker it shares with
+its parent tree), but the (empty) FIFOs stay behind in :attr:`ShmChannelSpec.bell_dir`.
+A ring must be used by one process pair only (single producer, single consumer).
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass, fields
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Callable, Sequence
 
@@ -217,8 +223,11 @@ class _Doorbell:
 
     def close(self, unlink: bool) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            fd, self.fd = self.fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         if unlink:
             try:
                 os.unlink(self.path)
@@ -235,9 +244,12 @@ class _Ring:
         self.shm: SharedMemory | None = None
         self.mm: mmap.mmap | None = None
         self.bells: list[_Doorbell] = []
+        self.owner_pid = os.getpid()
         size = _CTL_BYTES + spec.capacity
-        if create:  # registered with the resource tracker: unlinked even if we are killed
+        self.tracked = False  # registered with this process's multiprocessing resource tracker
+        if create:  # the tracker unlinks the segment if we are killed before a peer attaches
             self.shm = SharedMemory(name=spec.name, create=True, size=size)
+            self.tracked = True
             buf = self.shm.buf
         else:
             buf = self._attach(spec.name)
@@ -263,6 +275,7 @@ class _Ring:
         try:
             if _posixshmem is None:  # pragma: no cover
                 self.shm = SharedMemory(name=name)
+                self.tracked = True
                 return self.shm.buf
             fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
         except FileNotFoundError:
@@ -283,25 +296,48 @@ class _Ring:
         return bell
 
     def release(self, unlink: bool) -> None:
-        """Unmap (when no view is alive), close the doorbells and, for the creator, unlink the
-        segment and the FIFOs."""
-        for view in ("ctl", "data"):
-            if hasattr(self, view):
-                getattr(self, view).release()
-        for bell in self.bells:
-            bell.close(unlink)
-        self.bells = []
-        try:
-            if self.shm is not None:
-                self.shm.close()
-            if self.mm is not None:
-                self._buf.release()
-                self.mm.close()
-        except BufferError:  # a stray view is alive; the mapping goes with the process
-            pass
-        if unlink and self.shm is not None:
+        """For the creator (``unlink``; only in the process that created it, never in a forked
+        child) unlink the segment and FIFOs first; then close the doorbells and unmap (when no
+        view is alive). Every step runs even if an earlier one failed."""
+        if unlink and os.getpid() == self.owner_pid:
+            self.unlink()
+        for view in ("ctl", "data", "_buf"):
             try:
-                self.shm.unlink()
+                if hasattr(self, view):
+                    getattr(self, view).release()
+            except BufferError:
+                pass
+        for bell in self.bells:
+            bell.close(unlink=False)
+        self.bells = []
+        for m in (self.shm, self.mm):
+            try:
+                if m is not None:
+                    m.close()
+            except (BufferError, OSError):  # a stray view is alive: the mapping goes with us
+                pass
+
+    def unlink(self) -> None:
+        """Remove the names (segment and FIFOs) if still there - mappings and open doorbells
+        stay usable - and drop the resource tracker's registration (exactly once)."""
+        for path in (self.spec.data_bell, self.spec.space_bell):
+            try:
+                if stat.S_ISFIFO(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+        if self.tracked and self.shm is not None:
+            self.tracked = False
+            try:
+                self.shm.unlink()  # also unregisters
+            except FileNotFoundError:  # the peer removed the name already
+                try:
+                    resource_tracker.unregister(self.shm._name, "shared_memory")
+                except Exception:  # noqa: BLE001 - bookkeeping only
+                    pass
+        elif _posixshmem is not None:
+            try:
+                _posixshmem.shm_unlink("/" + self.spec.name)
             except FileNotFoundError:
                 pass
 
@@ -352,6 +388,9 @@ class ShmChannel(Channel):
         self._rx_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._closed = False
+        self._named = True  # the names exist (or the creator has not noticed they are gone)
+        if not create:  # both ends are mapped: nothing needs the names any more
+            self._drop_names()
 
     # ------------------------------------------------------------------ construction
 
@@ -376,6 +415,21 @@ class ShmChannel(Channel):
         if not isinstance(spec, ShmChannelSpec):
             raise TypeError(f"expected a ShmChannelSpec, got {type(spec).__name__}")
         return cls(spec, "b", **kwargs)
+
+    def _drop_names(self) -> None:
+        """Remove the segments' and FIFOs' names once both ends are attached, so that nothing
+        is left behind whichever process is killed later. The attacher does it right after
+        attaching; the creator, noticing the peer's pid in the ring, only tidies up its
+        resource-tracker registration."""
+        with self._close_lock:
+            if self._named:
+                self._named = False
+                for ring in (self._tx, self._rx):
+                    if ring.owner_pid == os.getpid():
+                        ring.unlink()
+
+    def _peer_attached(self) -> bool:
+        return self.side == "b" or bool(self._tx.ctl[_R_PID])
 
     # ------------------------------------------------------------------ liveness / state
 
@@ -408,8 +462,7 @@ class ShmChannel(Channel):
         while time.perf_counter() < spin_end:
             if ready():
                 return True
-        while True:
-            bell.drain()  # drop stale rings before announcing we sleep
+        while True:  # a stale ring left in the FIFO costs one extra turn (wait drains it)
             ring.ctl[flag] = 1
             _fence()
             if ready():
@@ -431,6 +484,8 @@ class ShmChannel(Channel):
     def _check_rx(self) -> None:
         if self._closed:
             raise ChannelClosed("shm channel is closed")
+        if self._named and self._peer_attached():
+            self._drop_names()
         if self._rx.ctl[_W_CLOSED]:
             _fence()
             if self._rx.ctl[_HEAD] == self._rx_tail:
@@ -443,6 +498,8 @@ class ShmChannel(Channel):
     def _check_tx(self) -> None:
         if self._closed:
             raise ChannelClosed("shm channel is closed")
+        if self._named and self._peer_attached():
+            self._drop_names()
         if self._tx.ctl[_R_CLOSED]:
             raise ChannelClosed("peer closed the shm channel")
         if not self.peer_alive():
@@ -461,6 +518,8 @@ class ShmChannel(Channel):
                 raise ChannelClosed("shm channel is closed")
             if self._tx.ctl[_R_CLOSED]:
                 raise ChannelClosed("peer closed the shm channel")
+            if self._named and self._peer_attached():
+                self._drop_names()
             ring, cap, ctl, data = self._tx, self._tx.capacity, self._tx.ctl, self._tx.data
             def has_space() -> bool:
                 return self._tx_head - ctl[_TAIL] < cap
@@ -537,17 +596,11 @@ class ShmChannel(Channel):
             if got_tx and got_rx:
                 self._finalizer()
             elif self.side == "a":  # a thread is still inside: keep the mapping, drop the names
-                for ring in (self._tx, self._rx):
-                    for path in (ring.spec.data_bell, ring.spec.space_bell):
-                        try:
-                            os.unlink(path)
-                        except FileNotFoundError:
-                            pass
-                    try:
-                        if ring.shm is not None:
-                            ring.shm.unlink()
-                    except FileNotFoundError:
-                        pass
+                with self._close_lock:
+                    self._named = False
+                    for ring in (self._tx, self._rx):
+                        if os.getpid() == ring.owner_pid:
+                            ring.unlink()
         finally:
             if got_tx:
                 self._tx_lock.release()

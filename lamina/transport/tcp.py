@@ -56,13 +56,19 @@ class TcpChannel(Channel):
 
     def __init__(self, sock: socket.socket, *, limits: WireLimits = DEFAULT_LIMITS,
                  peer_alive: Callable[[], bool] | None = None, wake_interval: float = 0.25,
-                 death_grace: float = 0.25) -> None:
+                 death_grace: float = 0.25, keepalive_s: float = 60.0) -> None:
         if wake_interval <= 0 or death_grace < 0:
             raise ValueError("wake_interval must be > 0 and death_grace >= 0")
         if sock.type != socket.SOCK_STREAM:
             raise ValueError("a TcpChannel needs a stream socket")
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # a host that vanishes without closing the connection ends it after ~keepalive_s
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for opt, val in (("TCP_KEEPIDLE", keepalive_s / 2), ("TCP_KEEPINTVL", keepalive_s / 8),
+                             ("TCP_KEEPCNT", 4)):
+                if hasattr(socket, opt):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), max(1, int(val)))
         sock.setblocking(True)
         self.sock = sock
         self.limits = limits
@@ -108,10 +114,8 @@ class TcpChannel(Channel):
         self._peer_alive = fn
 
     def peer_alive(self) -> bool:
-        """The hook's answer; without a hook, whether no end of stream was seen."""
-        if self._peer_alive is not None:
-            return bool(self._peer_alive())
-        return not isinstance(self._eof, PeerDied)
+        """The hook's answer; True without a hook (TCP alone cannot tell)."""
+        return self._peer_alive is None or bool(self._peer_alive())
 
     def _gone(self, why: str) -> ConnectionError:
         """Classify an end of stream / broken connection: PeerDied if the hook says so (asked

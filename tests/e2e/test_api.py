@@ -8,18 +8,14 @@ import pytest
 from lamina import LLM, SamplingParams
 from lamina.pool import NodeFailure
 
-from tiny_models import tiny_model
+from tiny_models import tiny_folder
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    return path
+    return tiny_folder("llama", tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")

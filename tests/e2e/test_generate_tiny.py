@@ -5,7 +5,7 @@ import pytest
 from lamina import LLM, SamplingParams
 
 from hf_oracle import hf_greedy
-from tiny_models import tiny_model
+from tiny_models import tiny_folder, tiny_model
 
 MAX_NEW = 10
 PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
@@ -21,10 +21,9 @@ SETUPS = {
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
 def tiny(request, tmp_path_factory):
-    model = tiny_model(request.param)
-    model.generation_config.eos_token_id = None  # random weights: compare full lengths
-    folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
+    folder = tiny_folder(request.param, tmp_path_factory.mktemp(request.param))
+    model = tiny_model(request.param)  # the same seeded weights, as the oracle
+    model.generation_config.eos_token_id = None
     return folder, hf_greedy(model, PROMPTS, MAX_NEW)
 
 

@@ -44,7 +44,7 @@ def test_batched_head_dim_64_decode_smollm_shape():
     assert_matches(o, lse, ref_o, ref_lse, torch.float32)
 
 
-def test_cpu_dispatch_uses_batched_path(monkeypatch):
+def test_cpu_dispatch_uses_torch_path(monkeypatch):
     monkeypatch.delenv("LAMINA_KERNELS", raising=False)
     assert backend_for(torch.device("cpu")) == "torch"
     case = random_case(3, num_heads=6, num_kv_heads=3, head_dim=16)

@@ -10,16 +10,13 @@ from lamina.async_engine import AsyncEngine
 from lamina.server import build_app
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
-from tiny_models import tiny_model  # noqa: E402
+from tiny_models import tiny_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    with LLM(str(path), memory=2, kv_cache_tokens=64) as llm:
+    path = tiny_folder("llama", tmp_path_factory.mktemp("llama"))
+    with LLM(path, memory=2, kv_cache_tokens=64) as llm:
         engine = AsyncEngine(llm.engine)
         app = build_app(engine, None, "tiny", api_key="k", max_model_len=128)
         with TestClient(app, headers={"Authorization": "Bearer k"}) as c:

@@ -40,3 +40,12 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
     return model.eval()
+
+
+def tiny_folder(arch: str, folder) -> str:
+    """Save ``tiny_model(arch)`` as an HF folder, with EOS disabled so outputs run to
+    ``max_tokens`` (random weights would stop at arbitrary points); returns the path."""
+    model = tiny_model(arch)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    return str(folder)

@@ -1,5 +1,6 @@
-"""Transport test fixtures: a session-end check that no shared-memory segment created by this
-process survives (segments are named ``lamina_<creator pid>_<random>_ab|_ba``), and a per-test
+"""Transport test fixtures: a session-end check that no shared-memory segment or doorbell FIFO
+created by this process survives (named ``lamina_<creator pid>_<random>_ab|_ba`` and
+``..._ab|_ba.data|.space``, all in /dev/shm by default), and a per-test
 watchdog that turns a hang into tracebacks and an exit instead of a stalled run."""
 from __future__ import annotations
 

@@ -76,8 +76,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-if __name__ == "__main__":  # python shm_peers.py '{"name": ..., "capacity": ..., "bell_dir": ...}'
-    channel = ShmChannel.attach(ShmChannelSpec.from_dict(json.loads(sys.argv[1])))
-    print("attached", flush=True)
+if __name__ == "__main__":
+    # python shm_peers.py '<spec JSON>': attach to it and echo
+    # python shm_peers.py create: create a channel, print its spec as JSON, echo
+    if sys.argv[1] == "create":
+        channel = ShmChannel.create(1 << 16)
+        print(json.dumps(channel.spec.to_dict()), flush=True)
+    else:
+        channel = ShmChannel.attach(ShmChannelSpec.from_dict(json.loads(sys.argv[1])))
+        print("attached", flush=True)
     serve_one(channel)
     channel.close()

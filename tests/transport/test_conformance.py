@@ -73,6 +73,8 @@ class ProcessPeer:
                     raise
         for c in self.chans:
             c.set_peer_alive(self.proc.is_alive)
+        for c in self.chans:  # the child serves every channel (attached before we may close)
+            sync(c)
         self.main = self.chans[0]
         self.fresh_chans = self.chans[1:]
         self._next = 0
@@ -369,6 +371,29 @@ def test_close_wakes_blocked_recv(fresh_link):
     with pytest.raises(ChannelClosed):
         fresh_link.send(Message(MsgKind.PING))
     fresh_link.close()  # idempotent
+
+
+@pytest.mark.parametrize("backend", STREAM_BACKENDS)
+def test_close_wakes_blocked_send(fresh_link):
+    """We never read, so the echo stalls and then so does our second 32 MiB send (more than
+    any ring or socket buffer holds); close() from another thread makes it raise."""
+    errors = []
+    big = Message(MsgKind.KV, tensors=[torch.zeros(8 << 20)])
+
+    def blocked():
+        try:
+            for _ in range(4):
+                fresh_link.send(big)
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion below
+            errors.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    t.join(1.0)
+    assert t.is_alive()  # blocked, not failed
+    fresh_link.close()
+    t.join(30)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], ChannelClosed)
 
 
 def test_local_hands_over_tensors_without_copy():

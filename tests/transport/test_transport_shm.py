@@ -1,16 +1,22 @@
 """shm backend specifics: streaming through tiny rings, resumable partial messages, concurrent
-senders, cleanup of segments and doorbell FIFOs, the
-plain-data spec. (Cross-process behaviour: test_conformance.py.)"""
+senders, cleanup of segments and doorbell FIFOs, the plain-data spec handed to processes not
+started with it. (Cross-process behaviour shared with other backends: test_conformance.py.)"""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import pickle
+import stat
+import subprocess
+import sys
 import threading
 
+import cloudpickle
 import pytest
 import torch
 
-from lamina.transport import ChannelClosed, Message, MsgKind, ShmChannel, shm_pair
+from lamina.transport import ChannelClosed, Message, MsgKind, PeerDied, ShmChannel, shm_pair
 from lamina.transport.shm import ShmChannelSpec
 from lamina.transport.wire import encode, encode_bytes
 from wire_cases import assert_same
@@ -99,24 +105,43 @@ def test_both_directions_at_once():
 
 
 def test_close_removes_segments_and_doorbells():
-    a, b = shm_pair(4096)
+    a = ShmChannel.create(4096)
     paths = files_of(a.spec)
     assert all(os.path.exists(p) for p in paths)
+    a.close()  # no peer ever attached: the creator removes everything
+    assert [p for p in paths if os.path.exists(p)] == []
+
+
+def test_names_are_removed_once_the_peer_attached():
+    """Attaching removes the names (so a later kill of either process leaves nothing behind);
+    both ends keep working, and the spec cannot be attached a second time."""
+    a, b = shm_pair(4096)
+    paths = files_of(a.spec)
+    assert [p for p in paths if os.path.exists(p)] == []
+    t = threading.Thread(target=lambda: a.send(Message(MsgKind.KV, tensors=[torch.randn(5000)])))
+    t.start()  # 20 KB through 4 KiB rings: the doorbells still work
+    assert b.recv(timeout=10).tensors[0].numel() == 5000
+    t.join()
+    b.send(Message(MsgKind.PING, meta={"back": 1}))
+    assert a.recv(timeout=10).meta == {"back": 1}
+    with pytest.raises(ChannelClosed):
+        ShmChannel.attach(a.spec)
     b.close()
     a.close()
     del a, b
     gc.collect()
-    assert [p for p in paths if os.path.exists(p)] == []
 
 
 def test_unclosed_creator_is_cleaned_up_when_collected():
     a = ShmChannel.create(4096)
-    spec = a.spec
-    b = ShmChannel.attach(spec)
-    seg = f"/dev/shm/{spec.a_to_b.name}"
+    paths = files_of(a.spec)
+    del a  # never attached, never closed
+    gc.collect()
+    assert [p for p in paths if os.path.exists(p)] == []
+    a = ShmChannel.create(4096)
+    b = ShmChannel.attach(a.spec)
     del a
     gc.collect()
-    assert not os.path.exists(seg)
     b.send(Message(MsgKind.PING))  # the mapping stays valid for the survivor
     b.close()
 
@@ -168,3 +193,135 @@ def test_send_raw_accepts_encoded_buffers():
     assert_same(m.tensors, b.recv(timeout=10).tensors)
     a.close()
     b.close()
+
+
+# ------------------------------------------------------------------------------ plain-data spec
+
+
+def test_spec_is_plain_data():
+    """The spec pickles without multiprocessing objects and round-trips through JSON."""
+
+    a = ShmChannel.create(4096)
+    spec = a.spec
+    try:
+        assert {type(v) for v in vars(spec).values()} <= {str, int}
+        for dumps in (pickle.dumps, cloudpickle.dumps):
+            data = dumps(spec)
+            assert b"multiprocessing" not in data and b"Semaphore" not in data
+            assert pickle.loads(data) == spec
+        back = ShmChannelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+        assert back == spec
+        for path in (spec.a_to_b.data_bell, spec.a_to_b.space_bell, spec.b_to_a.data_bell,
+                     spec.b_to_a.space_bell):
+            assert stat.S_ISFIFO(os.lstat(path).st_mode)
+        b = ShmChannel.attach(json.loads(json.dumps(spec.to_dict())))  # a dict works too
+        a.send(Message(MsgKind.PING, meta={"x": 1}))
+        assert b.recv(timeout=10).meta == {"x": 1}
+        b.close()
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("bad", [
+    {"name": "../etc/x", "capacity": 4096, "bell_dir": "/dev/shm"},
+    {"name": "a/b", "capacity": 4096, "bell_dir": "/dev/shm"},
+    {"name": "", "capacity": 4096, "bell_dir": "/dev/shm"},
+    {"name": "lamina_x", "capacity": "4096", "bell_dir": "/dev/shm"},
+    {"name": "lamina_x", "capacity": True, "bell_dir": "/dev/shm"},
+    {"name": "lamina_x", "capacity": 0, "bell_dir": "/dev/shm"},
+    {"name": "lamina_x", "capacity": 4096, "bell_dir": "relative"},
+    {"name": "lamina_x", "capacity": 4096},
+    {"name": "lamina_x", "capacity": 4096, "bell_dir": "/dev/shm", "extra": 1},
+    ["lamina_x", 4096, "/dev/shm"],
+])
+def test_spec_from_dict_rejects_bad_input(bad):
+    with pytest.raises(ValueError):
+        ShmChannelSpec.from_dict(bad)
+
+
+def test_doorbells_in_a_chosen_directory(tmp_path):
+    a = ShmChannel.create(4096, bell_dir=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{a.spec.name}_{d}.{k}" for d in ("ab", "ba") for k in ("data", "space"))
+    b = ShmChannel.attach(a.spec)
+    assert list(tmp_path.iterdir()) == []  # removed once attached
+    t = threading.Thread(target=lambda: a.send(Message(MsgKind.KV, tensors=[torch.randn(5000)])))
+    t.start()  # 20 KB through a 4 KiB ring: both doorbells ring many times
+    assert b.recv(timeout=10).tensors[0].numel() == 5000
+    t.join()
+    b.close()
+    a.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _run_peer(arg: str) -> subprocess.Popen:
+    peer = os.path.join(os.path.dirname(__file__), "shm_peers.py")
+    return subprocess.Popen([sys.executable, peer, arg], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_spec_as_json_to_a_subprocess_not_started_with_it():
+    """A child started with subprocess.Popen (not multiprocessing) gets the spec as JSON on its
+    command line, attaches and echoes; neither its exit nor ours prints resource-tracker
+    warnings, and nothing is left in /dev/shm."""
+    a = ShmChannel.create(1 << 16)
+    paths = files_of(a.spec)
+    proc = _run_peer(json.dumps(a.spec.to_dict()))
+    try:
+        a.set_peer_alive(lambda: proc.poll() is None)
+        big = torch.randn(1 << 18)  # 1 MiB through 64 KiB rings, both ways
+        got = []
+        t = threading.Thread(target=lambda: got.append(a.recv(timeout=120)))
+        t.start()
+        a.send(Message(MsgKind.KV, step_id=1, tensors=[big]))
+        t.join()
+        assert_same([big], got[0].tensors)
+        assert [p for p in paths if os.path.exists(p)] == []  # the child attached
+        for i in range(20):
+            a.send(Message(MsgKind.PING, step_id=i, meta={"i": i}))
+            assert a.recv(timeout=60).meta == {"i": i}
+        a.send(Message(MsgKind.PING, meta={"close": True}))
+        with pytest.raises(ChannelClosed):
+            a.recv(timeout=60)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert out.strip() == "attached"
+        assert err == ""  # e.g. no "resource_tracker: ... leaked shared_memory" warning
+    finally:
+        a.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert [p for p in paths if os.path.exists(p)] == []
+
+
+@pytest.mark.parametrize("how", ["close", "kill"])
+def test_subprocess_creator_closed_or_killed_after_attach_leaves_nothing(how):
+    """The creator is a subprocess that prints its spec; we attach from here. Whether it closes
+    normally (its stderr, which its resource tracker shares, stays empty) or is SIGKILLed
+    (we see PeerDied), nothing of the channel is left in /dev/shm."""
+    proc = _run_peer("create")
+    try:
+        spec = ShmChannelSpec.from_dict(json.loads(proc.stdout.readline()))
+        b = ShmChannel.attach(spec, wake_interval=0.02)
+        paths = files_of(spec)
+        assert [p for p in paths if os.path.exists(p)] == []
+        b.send(Message(MsgKind.PING, meta={"hi": 1}))
+        assert b.recv(timeout=60).meta == {"hi": 1}
+        if how == "close":
+            b.send(Message(MsgKind.PING, meta={"close": True}))
+            with pytest.raises(ChannelClosed):
+                b.recv(timeout=60)
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0 and err == "", err
+        else:
+            proc.kill()
+            with pytest.raises(PeerDied):
+                b.recv(timeout=60)  # the pid-based default check
+            proc.communicate(timeout=60)
+        b.close()
+        assert [p for p in paths if os.path.exists(p)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
