@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from lamina import LLM, SamplingParams
+from lamina.bench import hf_generate_time
 from lamina.models import load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -33,20 +34,6 @@ RESULTS = Path(__file__).parent / "results"
 def make_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def hf_time(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as HF expects for decoder-only generation
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    t = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, pad_token_id=pad_id)
-    return time.perf_counter() - t
 
 
 def lamina_time(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
@@ -87,7 +74,7 @@ def main() -> None:
     kw = dict(device=args.device, max_num_seqs=max(args.batches),
               max_num_batched_tokens=4096)
     systems = {
-        "hf": lambda ps, n: hf_time(loaded.model, ps, n, pad),
+        "hf": lambda ps, n: hf_generate_time(loaded.model, ps, n, pad),
     }
     inproc = LLM(args.model, memory=args.memory, transport="local", **kw)
     procs = LLM(args.model, memory=args.memory, transport="shm", **kw)

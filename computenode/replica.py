@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from lamina.computenode.cpu_linear import use_skinny_linear
 from lamina.computenode.sampling import Sampler
 from lamina.splitter import SplitModel
 from lamina.types import SamplingParams, StepPlan
@@ -19,6 +20,9 @@ class ComputeReplica:
         self.split = split
         self.device = torch.device(device)
         self.sampler = sampler or Sampler()
+        if self.device.type == "cpu":
+            for gm in split.slices:
+                use_skinny_linear(gm)
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan, attend) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The ``lamina`` command line: ``lamina split|generate|launch``."""
+"""The ``lamina`` command line: ``lamina split|generate|launch|bench``."""
 from __future__ import annotations
 
 import argparse
@@ -109,10 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lamina.launch import add_parser as add_launch
     add_launch(sub)
+    from lamina.bench_cli import add_parser as add_bench
+    add_bench(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and "--plan" in argv:  # the planner has its own arguments
+        from lamina.planner import plan_main
+        return plan_main([a for a in argv[1:] if a != "--plan"])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

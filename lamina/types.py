@@ -150,6 +150,7 @@ class NodeStats:
     used_slabs: int
     free_slabs: int
     num_requests: int
+    attend_us: int = 0  # cumulative time spent in ATTEND (store + kernel), microseconds
     shards: dict[int, tuple[int, int]] = field(default_factory=dict)  # req_id -> (start_pos, length)
 
 

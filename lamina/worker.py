@@ -7,7 +7,9 @@ sampling. The engine talks to a worker in this process (:class:`LocalWorker`) or
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +17,17 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.pool import NodeClient
 from lamina.routing import NodeRoute, attend_messages, merge_results
 from lamina.types import NodeStats, PrepareMsg, SamplingParams, StepPlan
+
+
+@dataclass
+class WorkerTimes:
+    """Cumulative wall time of one replica's steps, in seconds: ``execute_s`` whole steps,
+    ``wait_s`` the part spent waiting on memory nodes (first ATTEND sent .. last RESULT in,
+    summed over layers). ``execute_s - wait_s`` is the replica's own work (slices, sampling)."""
+
+    steps: int = 0
+    execute_s: float = 0.0
+    wait_s: float = 0.0
 
 
 class WorkerClient(ABC):
@@ -33,6 +46,10 @@ class WorkerClient(ABC):
     def stats(self) -> list[NodeStats]:
         """STATS of every memory node."""
 
+    def times(self) -> WorkerTimes | None:
+        """Step timings, where the replica runs in this process; None otherwise."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional
         pass
 
@@ -41,21 +58,28 @@ class ReplicaWorker:
     def __init__(self, replica: ComputeReplica, nodes: list[NodeClient]):
         self.replica = replica
         self.nodes = nodes
+        self.times = WorkerTimes()
 
     def execute(self, plan: StepPlan, routes: list[NodeRoute], req_ids: list[int],
                 params: list[SamplingParams]) -> list[int]:
+        times, start = self.times, time.perf_counter()
         for route in routes:
             self.nodes[route.node].prepare(PrepareMsg(plan.step_id, route.works))
         step_id, T = plan.step_id, plan.num_tokens
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             msgs = attend_messages(step_id, layer, routes, q, k, v)
+            t = time.perf_counter()
             for route, msg in zip(routes, msgs):
                 self.nodes[route.node].send_attend(msg)
             results = [self.nodes[route.node].recv_attend() for route in routes]
+            times.wait_s += time.perf_counter() - t
             return merge_results(routes, results, T).to(q.device)
 
-        return self.replica.execute(plan, attend, req_ids, params).tolist()
+        tokens = self.replica.execute(plan, attend, req_ids, params).tolist()
+        times.steps += 1
+        times.execute_s += time.perf_counter() - start
+        return tokens
 
     def free(self, req_ids: list[int], release: list[int]) -> None:
         for r in release:
@@ -82,3 +106,6 @@ class LocalWorker(WorkerClient):
 
     def stats(self) -> list[NodeStats]:
         return self.worker.stats()
+
+    def times(self) -> WorkerTimes:
+        return self.worker.times

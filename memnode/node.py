@@ -38,6 +38,7 @@ Semantics (the contract other components rely on):
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -98,6 +99,7 @@ class MemoryNode:
         self._windows = {s.window for s in self.specs}
         self._shards: dict[int, Shard] = {}
         self._steps: dict[int, StepState] = {}
+        self._attend_ns = 0  # cumulative ATTEND time, reported by STATS
 
     # -- PREPARE ------------------------------------------------------------------------------
     def prepare(self, msg: PrepareMsg) -> None:
@@ -158,6 +160,7 @@ class MemoryNode:
         the pool's). Returns ``o[Tq, H, D]`` (q's dtype) and ``lse[Tq, H]`` (float32) on the
         pool's device; ``lse == -inf`` for queries that see no key here.
         """
+        t0 = time.perf_counter_ns()
         step = self._steps.get(msg.step_id)
         if step is None:
             raise UnknownStep(f"step {msg.step_id} is not prepared on this node")
@@ -182,6 +185,7 @@ class MemoryNode:
         step.layers_left.discard(li)
         if not step.layers_left:
             self._finish(step)
+        self._attend_ns += time.perf_counter_ns() - t0
         return AttendResult(step_id=msg.step_id, layer=msg.layer, o=o, lse=lse)
 
     def _finish(self, step: StepState) -> None:
@@ -321,4 +325,5 @@ class MemoryNode:
         return NodeStats(capacity_slots=a.capacity, used_slots=a.num_used, free_slots=a.num_free,
                          slab_size=a.slab_size, total_slabs=a.num_slabs, used_slabs=a.used_slabs,
                          free_slabs=a.free_slabs, num_requests=len(self._shards),
+                         attend_us=self._attend_ns // 1000,
                          shards={r: (sh.start, sh.length) for r, sh in self._shards.items()})

@@ -81,7 +81,7 @@ def _tensors(msg: Message, n: int) -> list[torch.Tensor]:
 
 
 _STATS_FIELDS = ("capacity_slots", "used_slots", "free_slots", "slab_size", "total_slabs",
-                 "used_slabs", "free_slabs", "num_requests")
+                 "used_slabs", "free_slabs", "num_requests", "attend_us")
 
 
 def to_message(obj: Any, kind: MsgKind | None = None) -> Message:

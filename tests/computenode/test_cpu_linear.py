@@ -1,0 +1,45 @@
+"""skinny_linear == F.linear; use_skinny_linear rewrites exported linear nodes."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lamina.computenode.cpu_linear import SKINNY_ROWS, skinny_linear, use_skinny_linear
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
+from tiny_models import tiny_model  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (8, 32), (1, 5, 32), (SKINNY_ROWS, 32),
+                                   (SKINNY_ROWS + 1, 32), (0, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(48, 32, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    got = skinny_linear(x, w, b)
+    assert got.shape == (*shape[:-1], 48)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_takes_the_plain_path():
+    x, w = torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    assert torch.equal(skinny_linear(x, w), F.linear(x, w))
+
+
+def test_rewrite_keeps_split_outputs():
+    from lamina.splitter import split_model
+    sm = split_model(tiny_model("llama"))
+    ids = torch.tensor([[5, 9, 33, 2]])
+    pos = torch.arange(4)[None]
+    before = [sm.run_slice(0, {"input_ids": ids, "position_ids": pos})]
+    n = sum(use_skinny_linear(gm) for gm in sm.slices)
+    assert n > 0
+    assert not any(node.target is torch.ops.aten.linear.default
+                   for gm in sm.slices for node in gm.graph.nodes)
+    after = sm.run_slice(0, {"input_ids": ids, "position_ids": pos})
+    for k, v in before[0].items():
+        torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-5)

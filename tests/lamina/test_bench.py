@@ -1,0 +1,95 @@
+"""``lamina bench`` on a tiny random llama: measurements, baselines, report files, planner."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from lamina import LLM
+from lamina.bench import percentile, run_grid_cell, run_trace
+from lamina.cli import main
+from lamina.workloads import GridCell, synthetic_trace
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
+from tiny_models import tiny_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_folder("llama", tmp_path_factory.mktemp("llama"))
+
+
+def test_percentile():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_run_trace_serves_every_request_and_accounts_the_time(folder):
+    trace = synthetic_trace("short", 6, 40.0, 96, seed=0, scale=0.05, max_context=64)
+    with LLM(folder, memory=2, kv_cache_tokens=128) as llm:
+        r = run_trace(llm, trace, "lamina", parallel_nodes=False, progress=False)
+        assert not llm.engine.requests  # the runner leaves nothing behind
+    assert r.completed == 6 and not r.errors
+    assert r.output_tokens == sum(t.output_len for t in trace)
+    assert r.throughput == pytest.approx(r.output_tokens / r.wall_s)
+    assert 0 < r.ttft_p50 <= r.ttft_p99 and 0 < r.tbt_p50 <= r.tbt_p99
+    assert 1 <= r.max_batch <= 6
+    b = r.breakdown
+    assert min(b.compute_s, b.attention_s, b.network_s, b.idle_s) >= 0 and b.attention_s > 0
+    assert b.compute_s + b.attention_s + b.network_s + b.idle_s == pytest.approx(r.wall_s, rel=0.05)
+
+
+def test_run_trace_reports_requests_that_do_not_fit(folder):
+    trace = synthetic_trace("short", 3, 100.0, 96, seed=0, scale=0.05, max_context=64)
+    too_long = trace[0].__class__(trace[-1].arrival_s, (50,) * 40, 4, "long")
+    with LLM(folder, memory=1, kv_cache_tokens=32) as llm:
+        r = run_trace(llm, [*trace, too_long], "small", parallel_nodes=False, progress=False)
+    assert r.completed == 3 and len(r.errors) == 1 and "does not fit" in r.errors[0]
+
+
+def test_grid_cell_counts_decode_steps_and_skips_what_does_not_fit(folder):
+    with LLM(folder, memory=1, kv_cache_tokens=64) as llm:
+        cap = llm.engine.scheduler.total_capacity
+        p = run_grid_cell(llm, GridCell(2, 8, 5), "lamina", cap)
+        assert p.fits and p.throughput > 0 and p.token_latency_s > 0
+        assert p.throughput == pytest.approx(2 / p.token_latency_s)
+        q = run_grid_cell(llm, GridCell(4, 16, 5), "lamina", cap)  # 84 > 64 slots
+        assert not q.fits and math.isnan(q.throughput)
+
+
+def test_lamina_bench_cli_writes_report_with_baselines(folder, tmp_path, capsys):
+    out = tmp_path / "rep"
+    rc = main(["bench", "--model", folder, "--workload", "mixed", "--requests", "5", "--rate", "50",
+               "--scale", "0.02", "--batches", "1", "2", "--contexts", "8", "--new-tokens", "3",
+               "--transport", "local", "--kv-cache-gb", "2e-5", "--report", str(out)])
+    assert rc == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"report.md", "results.json", "throughput_vs_batch.png", "latency_breakdown.png",
+            "throughput_per_dollar.png"} <= names
+    res = json.loads((out / "results.json").read_text())
+    assert [t["system"] for t in res["trace"]] == ["hf", "lamina", "homogeneous"]
+    assert all(t["completed"] == 5 for t in res["trace"])
+    assert {(g["system"], g["batch"]) for g in res["grid"]} == {
+        (s, b) for s in ("lamina", "homogeneous", "hf") for b in (1, 2)}
+    assert res["capacity"]["lamina"] == 2 * res["capacity"]["homogeneous"]  # 2 nodes vs 1
+    ctx = res["cost"]
+    assert any(c["offloaded"] for c in ctx) and any(not c["offloaded"] for c in ctx)
+    md = (out / "report.md").read_text()
+    assert "| lamina | 5/5 |" in md and "Largest batch that fits" in md
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_lamina_bench_cli_errors(folder, tmp_path, capsys):
+    assert main(["bench", "--model", folder, "--compute", "2", "--report", str(tmp_path)]) == 2
+    assert "pipelining" in capsys.readouterr().err
+    assert main(["bench", "--model", str(tmp_path / "missing"), "--report", str(tmp_path)]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+def test_lamina_bench_plan(capsys):
+    assert main(["bench", "--plan", "--model", "llama-13b", "--budget", "100000"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended:" in out and "Why:" in out
+    assert main(["bench", "--plan", "--model", "llama-13b", "--budget", "10"]) == 2
