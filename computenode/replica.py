@@ -24,6 +24,27 @@ class ComputeReplica:
             for gm in split.slices:
                 use_skinny_linear(gm)
 
+    # -- one slice at a time (the pipelined executor drives these) ------------------------------
+    def begin(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """The values slice 0 of ``plan`` reads, on this replica's device."""
+        return self.split.start(plan.token_ids.to(self.device), plan.positions.to(self.device),
+                                plan.sample_rows.to(self.device))
+
+    @torch.inference_mode()
+    def run_slice(self, k: int, values: dict[str, torch.Tensor]):
+        """Run slice k on ``values`` (moved to this replica's device first: a context arriving
+        from another replica). Returns :meth:`SplitModel.advance`'s ``(context, qkv, logits)``."""
+        values = {n: t.to(self.device, non_blocking=True) for n, t in values.items()}
+        return self.split.advance(k, values)
+
+    def sample(self, logits: torch.Tensor, req_ids: list[int],
+               params: list[SamplingParams]) -> torch.Tensor:
+        """One token per row of ``logits[R, V]``: ``int64[R]`` on CPU."""
+        if logits.shape[0] == 0:
+            return torch.empty(0, dtype=torch.long)
+        return self.sampler.sample(logits, req_ids, params)
+
+    # -- a whole step, attention by callback ------------------------------------------------------
     @torch.inference_mode()
     def logits(self, plan: StepPlan, attend) -> torch.Tensor:
         """Logits ``[R, V]`` of ``plan.sample_rows`` only."""
@@ -33,10 +54,7 @@ class ComputeReplica:
     def execute(self, plan: StepPlan, attend, req_ids: list[int],
                 params: list[SamplingParams]) -> torch.Tensor:
         """Run the step and sample one token per sample row: ``int64[R]`` on CPU."""
-        logits = self.logits(plan, attend)
-        if logits.shape[0] == 0:
-            return torch.empty(0, dtype=torch.long)
-        return self.sampler.sample(logits, req_ids, params)
+        return self.sample(self.logits(plan, attend), req_ids, params)
 
     def release(self, req_id: int) -> None:
         self.sampler.release(req_id)

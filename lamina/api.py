@@ -20,14 +20,17 @@ import torch
 from tqdm.auto import tqdm
 
 from lamina.computenode.replica import ComputeReplica
+from lamina.computenode.sampling import Sampler
 from lamina.engine import Engine
 from lamina.models import load_model
 from lamina.nodes import MemoryPoolHandle, start_memory_pool
 from lamina.outputs import CompletionOutput, RequestOutput, StreamDelta, output_text, stable_text
+from lamina.pipeline import resolve_pipeline
 from lamina.pool import NodeFailure
 from lamina.request import Request
 from lamina.scheduler import SchedulerConfig
 from lamina.splitter import split_model
+from lamina.timeline import Timeline
 from lamina.types import SamplingParams
 from lamina.worker import LocalWorker, ReplicaWorker
 
@@ -35,11 +38,17 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """An instance: one engine, ``compute`` replicas (1 for now) and ``memory`` memory nodes.
+    """An instance: one engine, ``compute`` replicas and ``memory`` memory nodes.
 
     ``kv_cache_gb`` is the KV budget per memory node (``kv_cache_tokens`` overrides it with an
     exact slot count per node). ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA;
-    ``memory_device`` defaults to ``device``.
+    ``memory_device`` defaults to ``device``. ``micro_batches`` in flight under ``pipeline``
+    (``none``, ``fixed``, ``rotational``; defaults in :func:`lamina.pipeline.resolve_pipeline`:
+    rotational with ``compute + 1`` micro-batches when ``compute > 1``); ``attn_parts`` splits each
+    node's share of a layer into that many mini-batches (communication-attention overlap). The
+    compute replicas run
+    in this process on ``device`` and share its weights. ``trace``: write a Chrome/Perfetto
+    timeline JSON there on :meth:`close`.
     """
 
     def __init__(self, model: str = "smollm2", compute: int = 1, memory: int = 1,
@@ -47,10 +56,9 @@ class LLM:
                  kv_cache_gb: float = 1.0, kv_cache_tokens: int | None = None,
                  dtype: torch.dtype | None = None, transport: str = "local",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 slab_size: int = 256):
-        if compute != 1:
-            raise ValueError("compute > 1 needs pipelining (--micro-batches), which is not built "
-                             "yet: use compute=1")
+                 slab_size: int = 256, micro_batches: int | None = None,
+                 pipeline: str | None = None, attn_parts: int = 1, trace: str | None = None):
+        self.pipeline = resolve_pipeline(pipeline, micro_batches, compute, attn_parts)
         if memory < 1:
             raise ValueError(f"memory must be >= 1, got {memory}")
         loaded = load_model(model, dtype=dtype, device=device)
@@ -63,7 +71,12 @@ class LLM:
             dtype=loaded.dtype, kv_cache_gb=kv_cache_gb, kv_cache_tokens=kv_cache_tokens,
             slab_size=slab_size)
         max_len = getattr(cfg, "max_position_embeddings", None)
-        worker = LocalWorker(ReplicaWorker(ComputeReplica(self.split, device), self.pool.clients))
+        sampler = Sampler()
+        replicas = [ComputeReplica(self.split, device, sampler) for _ in range(compute)]
+        self.trace_path = trace
+        self.timeline = Timeline() if trace else None
+        worker = LocalWorker(ReplicaWorker(replicas, self.pool.clients, self.pipeline,
+                                           self.timeline))
         self.engine = Engine(worker, self.pool.capacities,
                              SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len),
                              eos_token_ids=_eos_ids(loaded.model, self.tokenizer),
@@ -76,6 +89,8 @@ class LLM:
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.close()
+        if getattr(self, "timeline", None) is not None and self.timeline.spans:
+            self.timeline.save(self.trace_path)
 
     def __enter__(self) -> "LLM":
         return self

@@ -28,6 +28,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from lamina.cli import add_pipeline_args, pipeline_kwargs
 from lamina.workloads import TRACE_KINDS
 
 COST_CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -40,7 +41,6 @@ def add_parser(sub) -> None:
     b.add_argument("--plan", action="store_true",
                    help="only print the recommended deployment for --budget (see `lamina bench --plan --help`)")
     b.add_argument("--model", default="smollm2")
-    b.add_argument("--compute", type=int, default=1, help="compute replicas (1 until pipelining lands)")
     b.add_argument("--memory", type=int, default=2, help="memory nodes of the Lamina system")
     b.add_argument("--workload", default="mixed", choices=[*TRACE_KINDS, "grid"])
     b.add_argument("--report", required=True, metavar="DIR", help="folder for report.md, results.json, PNGs")
@@ -59,12 +59,11 @@ def add_parser(sub) -> None:
     b.add_argument("--max-num-seqs", type=int, default=64)
     b.add_argument("--max-num-batched-tokens", type=int, default=512)
     b.add_argument("--device", default="cpu")
+    add_pipeline_args(b)
     b.set_defaults(func=cmd_bench)
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.compute != 1:
-        raise ValueError("--compute > 1 needs pipelining (--micro-batches), which is not built yet")
     if args.memory < 1 or args.requests < 1 or args.new_tokens < 2 or not args.rate > 0 \
             or not args.scale > 0 or args.kv_cache_gb <= 0 or (args.compute_kv_gb or 1) <= 0:
         raise ValueError("--memory, --requests, --rate, --scale and KV budgets must be positive; "
@@ -94,7 +93,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    systems = [("lamina", dict(memory=args.memory, transport=args.transport, kv_cache_gb=args.kv_cache_gb))]
+    systems = [("lamina", dict(memory=args.memory, transport=args.transport,
+                               kv_cache_gb=args.kv_cache_gb, **pipeline_kwargs(args)))]
     if "homogeneous" in args.baselines:
         systems.append(("homogeneous", dict(memory=1, transport="local",
                                             kv_cache_gb=args.compute_kv_gb or args.kv_cache_gb)))

@@ -59,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(args.model, memory=args.memory, transport=args.transport, device=args.device,
-                  kv_cache_gb=args.kv_cache_gb)
+                  kv_cache_gb=args.kv_cache_gb, **pipeline_kwargs(args))
     except (ValueError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -77,6 +77,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
             c = out.outputs[0]
             print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
     return 0 if all(o.error is None for o in outs) else 1
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """``--compute``, ``--micro-batches``, ``--pipeline``, ``--attn-parts``, ``--trace`` (see
+    lamina.pipeline); :func:`pipeline_kwargs` turns them into ``LLM`` arguments."""
+    p.add_argument("--compute", type=int, default=1, help="compute replicas (in this process)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches in flight (default: 1; compute+1 when rotational)")
+    p.add_argument("--pipeline", default=None, choices=["none", "fixed", "rotational"],
+                   help="staggered pipelining schedule (default: rotational when more than one "
+                        "micro-batch or replica)")
+    p.add_argument("--attn-parts", type=int, default=1,
+                   help="send each memory node its share of a layer as up to this many "
+                        "mini-batches, so it attends the first while the rest arrive")
+    p.add_argument("--trace", metavar="FILE.json", default=None,
+                   help="write a Chrome/Perfetto timeline of the run")
+
+
+def pipeline_kwargs(args: argparse.Namespace) -> dict:
+    return dict(compute=args.compute, micro_batches=args.micro_batches, pipeline=args.pipeline,
+                attn_parts=args.attn_parts, trace=args.trace)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: memory nodes in this process; shm: separate processes")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget per memory node")
     g.add_argument("--device", default="cpu")
+    add_pipeline_args(g)
     g.set_defaults(func=cmd_generate)
 
     from lamina.launch import add_parser as add_launch

@@ -178,8 +178,9 @@ def start_cluster(model: str, *, compute: int = 1, memory: int = 1, transport: s
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if compute != 1:
-        raise ValueError("compute > 1 needs pipelining (--micro-batches), which is not built "
-                         "yet: use --compute 1")
+        raise ValueError("lamina launch runs one compute replica with one micro-batch; several "
+                         "replicas and staggered pipelining (--compute N, --micro-batches n) run "
+                         "in one process for now: lamina generate, lamina bench or LLM(...)")
     started = False
     if not ray.is_initialized():
         progress("starting Ray" if address is None else f"joining Ray at {address}")

@@ -1,9 +1,10 @@
-"""The engine: requests in, tokens out. One scheduler, one compute replica, one memory pool.
+"""The engine: requests in, tokens out. One scheduler, the compute replicas, one memory pool.
 
-Each ``step()`` forms a StepPlan for one micro-batch (continuous batching, chunked prefill) and
-its per-node routes, has a compute replica (a :class:`~lamina.worker.WorkerClient`, in this
-process or in a Ray actor) execute it, and applies stop conditions. The per-micro-batch state lives in :class:`MicroBatch`, so several can
-be in flight once pipelining lands; today one is in flight at a time.
+Each ``step()`` forms a StepPlan (continuous batching, chunked prefill) and its per-node routes
+for every free micro-batch slot, has the compute replicas (a :class:`~lamina.worker.WorkerClient`,
+in this process or in a Ray actor) run them, and applies stop conditions to the micro-batches that
+finish. With ``n`` slots (staggered pipelining, :mod:`lamina.pipeline`) a request belongs to at
+most one micro-batch in flight, and a micro-batch is re-formed as soon as it finishes.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._steps = itertools.count()
+        self._in_flight: dict[int, MicroBatch] = {}  # slot -> micro-batch
+        self._aborted: dict[int, Exception] = {}  # req_id -> error, applied at completion
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -63,24 +66,58 @@ class Engine:
         return req
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight)
 
     # -- one iteration -----------------------------------------------------------------------------
     def step(self) -> StepOutput:
+        """Fill every free micro-batch slot with a newly formed micro-batch, then wait until at
+        least one micro-batch in flight finishes its iteration and apply its tokens. With one
+        slot (no pipelining) this is one iteration of the single batch. A worker error drops
+        every micro-batch in flight and propagates."""
         out = StepOutput()
-        segs, preempted = self.scheduler.schedule()
-        out.finished.extend(r for r in preempted if r.finished)  # failed: out of KV memory
-        self._free([r.req_id for r in preempted])
-        if not segs:
+        self._fill(out)
+        if not self._in_flight:
             return out
-        mb = self._form(segs)
-        sampled = [s for s in segs if s.sample]
-        tokens = self.worker.execute(mb.plan, mb.routes, [s.req.req_id for s in sampled],
-                                     [s.req.params for s in sampled])
+        try:
+            done = self.worker.wait()
+        except BaseException:
+            self.worker.reset()
+            self._in_flight.clear()
+            raise
+        for slot, tokens in done:
+            self._complete(self._in_flight.pop(slot), tokens, out)
+        return out
+
+    def _fill(self, out: StepOutput) -> None:
+        n = self.worker.micro_batches
+        cfg = self.scheduler.config
+        for slot in range(n):
+            if slot in self._in_flight:
+                continue
+            busy = {s.req.req_id for mb in self._in_flight.values() for s in mb.segs}
+            max_seqs = None
+            if n > 1:  # spread the requests over the micro-batches
+                active = len(self.scheduler.running) + len(self.scheduler.waiting)
+                max_seqs = max(1, min(cfg.max_num_seqs, -(-active // n)))
+            segs, preempted = self.scheduler.schedule(busy, max_seqs, cfg.max_num_seqs * n)
+            out.finished.extend(r for r in preempted if r.finished)  # failed: out of KV memory
+            self._free([r.req_id for r in preempted])
+            if not segs:
+                return
+            mb = self._form(segs)
+            sampled = [s for s in segs if s.sample]
+            self.worker.submit(slot, mb.plan, mb.routes, [s.req.req_id for s in sampled],
+                               [s.req.params for s in sampled])
+            self._in_flight[slot] = mb
+
+    def _complete(self, mb: MicroBatch, tokens: list[int], out: StepOutput) -> None:
+        segs = mb.segs
         self.scheduler.commit(segs)
         finished_ids = []
-        for seg, tok in zip(sampled, tokens):
+        for seg, tok in zip([s for s in segs if s.sample], tokens):
             req = seg.req
+            if req.req_id in self._aborted:
+                continue
             req.output_ids.append(tok)
             out.new_tokens[req.req_id] = tok
             reason = self._stop_reason(req, tok)
@@ -89,7 +126,10 @@ class Engine:
                 finished_ids.append(req.req_id)
                 out.finished.append(req)
         self._free(finished_ids)
-        return out
+        for seg in segs:  # aborted while in flight: now its KV can go
+            error = self._aborted.pop(seg.req.req_id, None)
+            if error is not None:
+                self.abort(seg.req, error)
 
     def _form(self, segs: list[ScheduledSegment]) -> MicroBatch:
         ids, pos, rows = [], [], []
@@ -126,10 +166,15 @@ class Engine:
             self.worker.free(req_ids, release=req_ids)
 
     def abort(self, req: Request, error: Exception) -> None:
-        if not req.finished:
-            if req in self.scheduler.waiting:
-                self.scheduler.waiting.remove(req)
-            self.scheduler.finish(req, "error")
-            req.error = error
-            self._free([req.req_id])
-
+        """Finish ``req`` with ``error`` and free its KV; a request in a micro-batch in flight is
+        finished when that micro-batch completes (its last token is dropped)."""
+        if req.finished:
+            return
+        if any(s.req is req for mb in self._in_flight.values() for s in mb.segs):
+            self._aborted[req.req_id] = error
+            return
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        self.scheduler.finish(req, "error")
+        req.error = error
+        self._free([req.req_id])

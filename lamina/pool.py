@@ -4,7 +4,9 @@
 lives in this process (``InProcessNode``: plain method calls on a ``MemoryNode``, the *local*
 backend: no encoding, no copy) or in another process (``RemoteNode`` in :mod:`lamina.remote`:
 the wire protocol over a transport channel). ATTEND is split into ``send_attend`` and
-``recv_attend`` so the engine can fan a layer out to every node before collecting the results.
+``recv_attend`` so the engine can fan a layer out to every node before collecting the results,
+and several steps (micro-batches) may have ATTENDs outstanding on one node: results come back
+in the order the ATTENDs were sent.
 """
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ class NodeClient(ABC):
 
     @abstractmethod
     def prepare(self, msg: PrepareMsg) -> None: ...
+
+    def send_prepare(self, msg: PrepareMsg) -> None:
+        """PREPARE without waiting for the reply (a pipelined engine keeps other steps' ATTENDs
+        outstanding on the node); an error surfaces at the next receive. Default: synchronous."""
+        self.prepare(msg)
 
     @abstractmethod
     def send_attend(self, msg: AttendMsg) -> None: ...

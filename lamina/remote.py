@@ -10,6 +10,7 @@ dies (the channel notices the peer is gone), so it never outlives the engine.
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import asdict
 from typing import Any, Callable
 
@@ -105,6 +106,8 @@ class RemoteNode(NodeClient):
         self.ch = channel
         self.process = process  # None when someone else (Ray) owns the process
         self.name = name
+        self._owed: deque[str] = deque()  # replies not yet received, in send order
+        self._early: deque[AttendResult] = deque()  # ATTEND results received by _drain
 
     def _fail(self, e: BaseException) -> NodeFailure:
         if self.process is None:
@@ -117,6 +120,7 @@ class RemoteNode(NodeClient):
 
     def _call(self, msg: Message, timeout: float = REPLY_TIMEOUT_S) -> Message:
         self._send(msg)
+        self._drain()
         return self._recv(timeout)
 
     def _send(self, msg: Message) -> None:
@@ -131,17 +135,45 @@ class RemoteNode(NodeClient):
         except (PeerDied, ChannelClosed, TimeoutError) as e:
             raise self._fail(e) from e
 
+    def _next_attend(self) -> AttendResult | None:
+        """Receive the replies still owed, in send order, up to the next ATTEND result."""
+        while self._owed:
+            kind = self._owed.popleft()
+            reply = self._recv()
+            if kind == "attend":
+                return codec.from_message(reply)
+        return None
+
+    def _drain(self) -> None:
+        """Receive every owed reply (before a synchronous call), keeping ATTEND results."""
+        while self._owed:
+            res = self._next_attend()
+            if res is not None:
+                self._early.append(res)
+
     def prepare(self, msg: PrepareMsg) -> None:
         self._call(codec.to_message(msg))
 
+    def send_prepare(self, msg: PrepareMsg) -> None:
+        self._send(codec.to_message(msg))
+        self._owed.append("ok")
+
     def send_attend(self, msg: AttendMsg) -> None:
         self._send(codec.to_message(msg))
+        self._owed.append("attend")
 
     def recv_attend(self) -> AttendResult:
-        return codec.from_message(self._recv())
+        if self._early:
+            return self._early.popleft()
+        res = self._next_attend()
+        if res is None:
+            raise RuntimeError(f"{self.name}: recv_attend with no ATTEND outstanding")
+        return res
 
     def free(self, req_ids: list[int]) -> None:
-        self._call(codec.free_request(req_ids))
+        """FREE without waiting (an error surfaces at the next receive)."""
+        self._send(codec.free_request(req_ids))
+        self._owed.append("ok")
 
     def stats(self) -> NodeStats:
         return codec.from_message(self._call(codec.stats_request()))

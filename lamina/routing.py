@@ -4,6 +4,10 @@ For every scheduled segment, each node holding part of the request gets all of t
 query rows (it attends them over its shard, causal by absolute position) and the k/v rows of
 the positions it stores. A node's rows follow its ``works`` order, matching ``PrepareMsg``.
 Rows seen by one node are copied; rows seen by several are merged by log-sum-exp.
+
+With ``parts > 1`` a node's share of a layer goes out as up to ``parts`` mini-batches (runs of
+whole works, balanced by query rows), each its own ATTEND with its own RESULT: the node attends
+the first while later ones are still arriving (communication-attention overlap, Lamina §5.2.1).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import torch
 
 from lamina.kernels import merge_states
 from lamina.scheduler import ScheduledSegment
-from lamina.types import AttendMsg, ShardWork
+from lamina.types import AttendMsg, AttendResult, ShardWork
 
 
 @dataclass
@@ -25,6 +29,24 @@ class NodeRoute:
     q_rows: torch.Tensor  # int64 (CPU) rows of the step's flattened tokens, in works order
     kv_rows: torch.Tensor  # int64 (CPU) rows whose k/v the node appends, in works order
     identity: bool = False  # q_rows == kv_rows == arange(T): send tensors as they are
+
+    def split(self, parts: int) -> list[tuple[int, int]]:
+        """At most ``parts`` non-empty runs ``[a, b)`` of works covering them all, with about
+        the same number of query rows each."""
+        R = len(self.works)
+        if parts <= 1 or R <= 1:
+            return [(0, R)]
+        q = torch.tensor([w.num_q for w in self.works]).cumsum(0)
+        total = int(q[-1])
+        cuts = [0]
+        for p in range(1, parts):  # the work boundary nearest p/parts of the rows
+            target = p * total / parts
+            i = int(torch.searchsorted(q, torch.tensor(target, dtype=q.dtype).ceil()))
+            below = int(q[i - 1]) if i > 0 else 0
+            c = i if target - below <= int(q[i]) - target else i + 1
+            if cuts[-1] < c < R:
+                cuts.append(c)
+        return list(zip(cuts, cuts[1:] + [R]))
 
 
 def build_routes(segs: list[ScheduledSegment], num_tokens: int) -> list[NodeRoute]:
@@ -54,14 +76,34 @@ def build_routes(segs: list[ScheduledSegment], num_tokens: int) -> list[NodeRout
 
 
 def attend_messages(step_id: int, layer: int, routes: list[NodeRoute], q: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, reply_to: int = 0) -> list[AttendMsg]:
-    msgs = []
+                    k: torch.Tensor, v: torch.Tensor, reply_to: int = 0,
+                    parts: int = 1) -> list[list[AttendMsg]]:
+    """Per route, its ATTEND for the layer: one message, or its mini-batches in works order."""
+    out = []
     for r in routes:
-        if r.identity:
-            msgs.append(AttendMsg(step_id, layer, q, k, v, reply_to))
-        else:
-            msgs.append(AttendMsg(step_id, layer, q[r.q_rows], k[r.kv_rows], v[r.kv_rows], reply_to))
-    return msgs
+        if r.identity and parts <= 1:
+            out.append([AttendMsg(step_id, layer, q, k, v, reply_to)])
+            continue
+        qr, kr, vr = q[r.q_rows], k[r.kv_rows], v[r.kv_rows]
+        runs = r.split(parts)
+        if len(runs) == 1:
+            out.append([AttendMsg(step_id, layer, qr, kr, vr, reply_to)])
+            continue
+        q_ptr = [0] + torch.tensor([w.num_q for w in r.works]).cumsum(0).tolist()
+        a_ptr = [0] + torch.tensor([w.num_append for w in r.works]).cumsum(0).tolist()
+        out.append([AttendMsg(step_id, layer, qr[q_ptr[a]:q_ptr[b]], kr[a_ptr[a]:a_ptr[b]],
+                              vr[a_ptr[a]:a_ptr[b]], reply_to, works=(a, b)) for a, b in runs])
+    return out
+
+
+def join_results(results: list[AttendResult]) -> AttendResult:
+    """One node's mini-batch RESULTs for a layer (in order) as one result for all its works."""
+    if len(results) == 1:
+        return results[0]
+    first, last = results[0], results[-1]
+    span = (first.span_ns[0], last.span_ns[1]) if first.span_ns and last.span_ns else None
+    return AttendResult(first.step_id, first.layer, torch.cat([r.o for r in results]),
+                        torch.cat([r.lse for r in results]), span)
 
 
 def merge_results(routes: list[NodeRoute], results, num_tokens: int) -> torch.Tensor:

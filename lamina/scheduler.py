@@ -42,6 +42,7 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._busy: frozenset[int] | set[int] = frozenset()  # in flight during schedule()
 
     @property
     def total_capacity(self) -> int:
@@ -109,15 +110,22 @@ class Scheduler:
         return nodes
 
     # -- scheduling ------------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[ScheduledSegment], list[Request]]:
-        """Form the next step: running requests first (decodes and unfinished prefills, FIFO),
-        then waiting ones while the token budget and ``max_num_seqs`` allow. Returns the segments
-        and the requests preempted to make room (their KV must be freed on the nodes)."""
+    def schedule(self, busy: frozenset[int] | set[int] = frozenset(), max_seqs: int | None = None,
+                 max_running: int | None = None) -> tuple[list[ScheduledSegment], list[Request]]:
+        """Form the next step (one micro-batch): running requests first (decodes and unfinished
+        prefills, FIFO), then waiting ones while the token budget, ``max_seqs`` (requests in
+        this step; default ``max_num_seqs``) and ``max_running`` (running requests in all
+        micro-batches; default ``max_num_seqs``) allow. Requests in ``busy`` (in another
+        micro-batch in flight) are neither scheduled nor preempted. Returns the segments and
+        the requests preempted to make room (their KV must be freed on the nodes)."""
         budget = self.config.max_num_batched_tokens
+        max_seqs = max_seqs or self.config.max_num_seqs
+        max_running = max_running or self.config.max_num_seqs
         segs: list[ScheduledSegment] = []
         preempted: list[Request] = []
-        queue = list(self.running)
-        while queue and budget > 0:
+        self._busy = busy
+        queue = [r for r in self.running if r.req_id not in busy]
+        while queue and budget > 0 and len(segs) < max_seqs:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed, budget)
             appends = self._place(req, n)
@@ -144,7 +152,8 @@ class Scheduler:
             segs.append(ScheduledSegment(req, req.num_computed, n, appends,
                                          req.num_computed + n == req.num_tokens))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(segs) < max_seqs
+               and len(self.running) < max_running):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed, budget)
             appends = self._place(req, n)
@@ -159,10 +168,11 @@ class Scheduler:
         return segs, preempted
 
     def _pick_victim(self, exclude: Request, scheduled: list[ScheduledSegment]) -> Request | None:
-        """The most recently admitted running request not yet in this step (vLLM's policy)."""
+        """The most recently admitted running request not in this step nor in flight in
+        another micro-batch (vLLM's policy)."""
         in_step = {s.req.req_id for s in scheduled}
         for req in reversed(self.running):
-            if req is not exclude and req.req_id not in in_step:
+            if req is not exclude and req.req_id not in in_step and req.req_id not in self._busy:
                 return req
         return None
 

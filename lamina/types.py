@@ -106,7 +106,11 @@ class PrepareMsg:
 @dataclass
 class AttendMsg:
     """ATTEND for one layer: ``q[Tq,H,D]`` for all works' queries, ``k/v[Ta,Hkv,D]`` for all appends,
-    each concatenated in ``works`` order. ``reply_to`` names the replica that gets the result."""
+    each concatenated in ``works`` order. ``reply_to`` names the replica that gets the result.
+
+    ``works = (a, b)`` makes the message a mini-batch: only works ``[a, b)`` of the step's PREPARE,
+    with their q and k/v rows. A layer's mini-batches go out in order and cover every work once;
+    each gets its own RESULT (None: the whole step in one message)."""
 
     step_id: int
     layer: int
@@ -114,6 +118,7 @@ class AttendMsg:
     k: torch.Tensor
     v: torch.Tensor
     reply_to: int = 0
+    works: tuple[int, int] | None = None
 
 
 @dataclass
@@ -125,6 +130,7 @@ class AttendResult:
     layer: int
     o: torch.Tensor
     lse: torch.Tensor
+    span_ns: tuple[int, int] | None = None  # node's ATTEND start/end, time.perf_counter_ns
 
 
 @dataclass

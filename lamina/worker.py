@@ -1,9 +1,10 @@
 """ReplicaWorker: a compute replica together with its connections to the memory nodes.
 
-It executes one step given by the engine (DESIGN.md §3 steps 2-5): PREPARE to the nodes named
+It executes steps given by the engine (DESIGN.md §3 steps 2-5): PREPARE to the nodes named
 in the routes, the slices with each layer's attention fanned out to the nodes and merged, and
-sampling. The engine talks to a worker in this process (:class:`LocalWorker`) or in a Ray actor
-(:mod:`lamina.cluster`) through the same three calls.
+sampling; with pipelining, several micro-batches at once (:mod:`lamina.pipeline`). The engine
+talks to a worker in this process (:class:`LocalWorker`) or in a Ray actor (:mod:`lamina.cluster`)
+through the same calls.
 """
 from __future__ import annotations
 
@@ -11,19 +12,19 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import torch
-
 from lamina.computenode.replica import ComputeReplica
+from lamina.pipeline import PipelineConfig, PipelineExecutor
 from lamina.pool import NodeClient
-from lamina.routing import NodeRoute, attend_messages, merge_results
-from lamina.types import NodeStats, PrepareMsg, SamplingParams, StepPlan
+from lamina.routing import NodeRoute
+from lamina.timeline import Timeline
+from lamina.types import NodeStats, SamplingParams, StepPlan
 
 
 @dataclass
 class WorkerTimes:
-    """Cumulative wall time of one replica's steps, in seconds: ``execute_s`` whole steps,
-    ``wait_s`` the part spent waiting on memory nodes (first ATTEND sent .. last RESULT in,
-    summed over layers). ``execute_s - wait_s`` is the replica's own work (slices, sampling)."""
+    """Cumulative wall time of one replica worker, in seconds: ``execute_s`` inside
+    submit/wait, ``wait_s`` the part spent blocked on memory nodes (summed over layers).
+    ``execute_s - wait_s`` is the replicas' own work (slices, sending, sampling)."""
 
     steps: int = 0
     execute_s: float = 0.0
@@ -31,12 +32,31 @@ class WorkerTimes:
 
 
 class WorkerClient(ABC):
-    """The engine's view of one compute replica."""
+    """The engine's view of the compute replicas. ``micro_batches`` may be in flight at once:
+    ``submit`` one into a free slot, ``wait`` until at least one finishes. A worker without
+    pipelining (one slot) gets both from ``execute``."""
+
+    micro_batches: int = 1
 
     @abstractmethod
     def execute(self, plan: StepPlan, routes: list[NodeRoute], req_ids: list[int],
                 params: list[SamplingParams]) -> list[int]:
         """Run the step; one sampled token per ``plan.sample_rows`` entry."""
+
+    def submit(self, slot: int, plan: StepPlan, routes: list[NodeRoute], req_ids: list[int],
+               params: list[SamplingParams]) -> None:
+        if slot != 0 or getattr(self, "_pending", None) is not None:
+            raise ValueError(f"this worker runs one micro-batch at a time (slot {slot})")
+        self._pending = (plan, routes, req_ids, params)
+
+    def wait(self) -> list[tuple[int, list[int]]]:
+        """Finished micro-batches as ``[(slot, tokens)]`` (at least one while any is in flight)."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        return [] if pending is None else [(0, self.execute(*pending))]
+
+    def reset(self) -> None:
+        """Drop every micro-batch in flight (after an error)."""
+        self._pending = None
 
     @abstractmethod
     def free(self, req_ids: list[int], release: list[int]) -> None:
@@ -55,31 +75,40 @@ class WorkerClient(ABC):
 
 
 class ReplicaWorker:
-    def __init__(self, replica: ComputeReplica, nodes: list[NodeClient]):
-        self.replica = replica
+    """Compute replicas (one or more, sharing one Sampler) with their memory-node connections,
+    driven by a :class:`~lamina.pipeline.PipelineExecutor`."""
+
+    def __init__(self, replica: ComputeReplica | list[ComputeReplica], nodes: list[NodeClient],
+                 pipeline: PipelineConfig | None = None, timeline: Timeline | None = None):
+        self.replicas = replica if isinstance(replica, list) else [replica]
+        self.replica = self.replicas[0]
         self.nodes = nodes
-        self.times = WorkerTimes()
+        self.executor = PipelineExecutor(self.replicas, nodes, pipeline, timeline)
+        self._times = WorkerTimes()
+
+    @property
+    def times(self) -> WorkerTimes:
+        t, e = self._times, self.executor.times
+        t.steps, t.wait_s = e.steps, e.wait_s
+        return t
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._times.execute_s += time.perf_counter() - start
 
     def execute(self, plan: StepPlan, routes: list[NodeRoute], req_ids: list[int],
                 params: list[SamplingParams]) -> list[int]:
-        times, start = self.times, time.perf_counter()
-        for route in routes:
-            self.nodes[route.node].prepare(PrepareMsg(plan.step_id, route.works))
-        step_id, T = plan.step_id, plan.num_tokens
+        return self._timed(self.executor.execute, plan, routes, req_ids, params)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            msgs = attend_messages(step_id, layer, routes, q, k, v)
-            t = time.perf_counter()
-            for route, msg in zip(routes, msgs):
-                self.nodes[route.node].send_attend(msg)
-            results = [self.nodes[route.node].recv_attend() for route in routes]
-            times.wait_s += time.perf_counter() - t
-            return merge_results(routes, results, T).to(q.device)
+    def submit(self, slot: int, plan: StepPlan, routes: list[NodeRoute], req_ids: list[int],
+               params: list[SamplingParams]) -> None:
+        self._timed(self.executor.submit, slot, plan, routes, req_ids, params)
 
-        tokens = self.replica.execute(plan, attend, req_ids, params).tolist()
-        times.steps += 1
-        times.execute_s += time.perf_counter() - start
-        return tokens
+    def wait(self) -> list[tuple[int, list[int]]]:
+        return self._timed(self.executor.wait)
 
     def free(self, req_ids: list[int], release: list[int]) -> None:
         for r in release:
@@ -97,9 +126,19 @@ class LocalWorker(WorkerClient):
 
     def __init__(self, worker: ReplicaWorker):
         self.worker = worker
+        self.micro_batches = worker.executor.config.micro_batches
 
     def execute(self, plan, routes, req_ids, params) -> list[int]:
         return self.worker.execute(plan, routes, req_ids, params)
+
+    def submit(self, slot, plan, routes, req_ids, params) -> None:
+        self.worker.submit(slot, plan, routes, req_ids, params)
+
+    def wait(self) -> list[tuple[int, list[int]]]:
+        return self.worker.wait()
+
+    def reset(self) -> None:
+        self.worker.executor.reset()
 
     def free(self, req_ids: list[int], release: list[int]) -> None:
         self.worker.free(req_ids, release)

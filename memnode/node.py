@@ -6,7 +6,8 @@ the dataclasses of :mod:`lamina.types`:
 
 * ``prepare(PrepareMsg)`` - reserve slots for the step's appended tokens and precompute the
   kernel indices, kept per ``step_id`` so several micro-batches can be in flight.
-* ``attend(AttendMsg) -> AttendResult`` - store the layer's k/v, run paged attention.
+* ``attend(AttendMsg) -> AttendResult`` - store the layer's k/v, run paged attention (for
+  the whole step, or for one mini-batch of its works).
 * ``free(req_ids)``, ``free_range``, ``export``, ``import_kv``, ``fork``, ``cancel``, ``stats``.
 
 Semantics (the contract other components rely on):
@@ -157,7 +158,9 @@ class MemoryNode:
         """Store the layer's appended k/v, then attend the step's queries over the shards.
 
         ``msg.q[Tq, H, D]`` and ``msg.k/v[Ta, Hkv, D]`` are in plan order (any device; moved to
-        the pool's). Returns ``o[Tq, H, D]`` (q's dtype) and ``lse[Tq, H]`` (float32) on the
+        the pool's), for every work or for the mini-batch ``msg.works`` (which must continue the
+        layer where its previous mini-batch ended; the layer counts as attended after its last
+        work). Returns ``o[Tq, H, D]`` (q's dtype) and ``lse[Tq, H]`` (float32) on the
         pool's device; ``lse == -inf`` for queries that see no key here.
         """
         t0 = time.perf_counter_ns()
@@ -170,23 +173,35 @@ class MemoryNode:
         if li not in step.layers_left:
             raise ValueError(f"step {msg.step_id}: layer {msg.layer} was already attended")
         spec = self.specs[li]
-        want_q = (step.num_q, spec.num_heads, spec.head_dim)
-        want_kv = (step.num_append, spec.num_kv_heads, spec.head_dim)
+        R = len(step.works)
+        first = step.next_work.get(li, 0)
+        a, b = msg.works if msg.works is not None else (first, R)
+        if a != first or not (a < b <= R or a == b == R == 0):
+            raise ValueError(f"step {msg.step_id} layer {msg.layer}: works [{a}, {b}) do not "
+                             f"continue the layer at work {first} of {R}")
+        view = step.view(a, b)
+        want_q = (view.num_q, spec.num_heads, spec.head_dim)
+        want_kv = (view.num_append, spec.num_kv_heads, spec.head_dim)
         if tuple(msg.q.shape) != want_q or tuple(msg.k.shape) != want_kv \
                 or tuple(msg.v.shape) != want_kv:
-            raise ValueError(f"step {msg.step_id} layer {msg.layer}: expected q{want_q}, "
-                             f"k/v{want_kv}; got q{tuple(msg.q.shape)}, k{tuple(msg.k.shape)}, "
-                             f"v{tuple(msg.v.shape)}")
-        self.pool.store_kv(li, step.append_slots, msg.k, msg.v)
-        idx = step.kv[spec.window]
+            raise ValueError(f"step {msg.step_id} layer {msg.layer} works [{a}, {b}): expected "
+                             f"q{want_q}, k/v{want_kv}; got q{tuple(msg.q.shape)}, "
+                             f"k{tuple(msg.k.shape)}, v{tuple(msg.v.shape)}")
+        self.pool.store_kv(li, view.append_slots, msg.k, msg.v)
+        idx = view.kv[spec.window]
         o, lse = paged_attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
-                                 step.qo_indptr, idx.kv_indptr, idx.kv_indices, step.q_positions,
+                                 view.qo_indptr, idx.kv_indptr, idx.kv_indices, view.q_positions,
                                  idx.kv_start_pos, spec)
-        step.layers_left.discard(li)
-        if not step.layers_left:
-            self._finish(step)
-        self._attend_ns += time.perf_counter_ns() - t0
-        return AttendResult(step_id=msg.step_id, layer=msg.layer, o=o, lse=lse)
+        if b < R:
+            step.next_work[li] = b
+        else:
+            step.next_work.pop(li, None)
+            step.layers_left.discard(li)
+            if not step.layers_left:
+                self._finish(step)
+        t1 = time.perf_counter_ns()
+        self._attend_ns += t1 - t0
+        return AttendResult(step_id=msg.step_id, layer=msg.layer, o=o, lse=lse, span_ns=(t0, t1))
 
     def _finish(self, step: StepState) -> None:
         del self._steps[step.step_id]

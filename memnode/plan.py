@@ -11,6 +11,10 @@ queries are positions ``[qs_r, qe_r)``. The kernel sees (DESIGN.md §4, CSR form
   window). Trimming keys no query can see is exact: the kernel masks them anyway.
 
 All tensors are int64 on the pool's device, built once per step (numpy, no per-slot loops).
+
+An ATTEND may carry a *mini-batch*: works ``[a, b)`` of the step (communication-attention
+overlap, Lamina §5.2.1). :meth:`StepState.view` slices the CSR arrays to those works using host
+copies of the index pointers (no device sync).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 from lamina.memnode.shard import Shard
 from lamina.types import ShardWork
 
-__all__ = ["KernelIndex", "StepState", "build_step"]
+__all__ = ["KernelIndex", "StepState", "StepView", "build_step"]
 
 
 @dataclass
@@ -32,6 +36,30 @@ class KernelIndex:
     kv_indptr: torch.Tensor  # int64 [R+1]
     kv_indices: torch.Tensor  # int64 [N]
     kv_start_pos: torch.Tensor  # int64 [R]
+    indptr: np.ndarray  # host copy of kv_indptr
+
+    def view(self, a: int, b: int) -> "KernelIndex":
+        ka, kb = int(self.indptr[a]), int(self.indptr[b])
+        return KernelIndex(self.kv_indptr[a: b + 1] - ka, self.kv_indices[ka:kb],
+                           self.kv_start_pos[a:b], self.indptr[a: b + 1] - ka)
+
+
+@dataclass
+class StepView:
+    """The kernel inputs for works ``[a, b)`` of a step (all of them by default)."""
+
+    qo_indptr: torch.Tensor  # int64 [b-a+1]
+    q_positions: torch.Tensor  # int64 [Tq']
+    append_slots: torch.Tensor  # int64 [Ta']
+    kv: dict[int | None, KernelIndex]
+
+    @property
+    def num_q(self) -> int:
+        return int(self.q_positions.numel())
+
+    @property
+    def num_append(self) -> int:
+        return int(self.append_slots.numel())
 
 
 @dataclass
@@ -46,15 +74,19 @@ class StepState:
     append_slots: torch.Tensor  # int64 [Ta]: slots of the appended rows of ATTEND's k/v
     kv: dict[int | None, KernelIndex]  # window -> key indices
     layers_left: set[int]  # pool layers not attended yet
+    q_indptr: np.ndarray  # host copies: cumulative num_q and num_append per work, [R+1]
+    a_indptr: np.ndarray
+    next_work: dict[int, int] = field(default_factory=dict)  # layer -> first work not attended
     deferred_free: list[np.ndarray] = field(default_factory=list)  # slots freed while in flight
 
-    @property
-    def num_q(self) -> int:
-        return int(self.q_positions.numel())
-
-    @property
-    def num_append(self) -> int:
-        return int(self.append_slots.numel())
+    def view(self, a: int, b: int) -> StepView:
+        """Kernel inputs for works ``[a, b)``; ``0 <= a < b <= R`` (or the whole step)."""
+        if (a, b) == (0, len(self.works)):
+            return StepView(self.qo_indptr, self.q_positions, self.append_slots, self.kv)
+        qa, qb = int(self.q_indptr[a]), int(self.q_indptr[b])
+        aa, ab = int(self.a_indptr[a]), int(self.a_indptr[b])
+        return StepView(self.qo_indptr[a: b + 1] - qa, self.q_positions[qa:qb],
+                        self.append_slots[aa:ab], {w: i.view(a, b) for w, i in self.kv.items()})
 
 
 def _piece(old: np.ndarray, new: np.ndarray, a: int, b: int) -> list[np.ndarray]:
@@ -110,8 +142,10 @@ def build_step(step_id: int, works: list[ShardWork], shards: list[Shard | None],
         kv_indptr = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(count, out=kv_indptr[1:])
         indices = np.concatenate(pieces) if pieces else empty
-        kv[w] = KernelIndex(to_dev(kv_indptr), to_dev(indices), to_dev(lo))
+        kv[w] = KernelIndex(to_dev(kv_indptr), to_dev(indices), to_dev(lo), kv_indptr)
     append = np.concatenate(new_slots) if new_slots else empty
+    a_indptr = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum([n.size for n in new_slots], out=a_indptr[1:])
     return StepState(step_id=step_id, works=list(works), shards=[], qo_indptr=to_dev(qo_indptr),
                      q_positions=to_dev(q_positions), append_slots=to_dev(append), kv=kv,
-                     layers_left=set(range(num_layers)))
+                     layers_left=set(range(num_layers)), q_indptr=qo_indptr, a_indptr=a_indptr)

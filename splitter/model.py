@@ -71,22 +71,40 @@ class SplitModel:
         outs = self.slices[k](*args)
         return dict(zip(self.infos[k].outputs, outs))
 
+    def start(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              sample_rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The values slice 0 reads, for flattened tokens ``input_ids[T]``, ``position_ids[T]``
+        and the rows to produce logits for, ``sample_rows[R]`` (all int64, on one device)."""
+        return {"input_ids": input_ids[None], "position_ids": position_ids[None],
+                "logits_to_keep": sample_rows}
+
+    def advance(self, k: int, values: dict[str, torch.Tensor]
+                ) -> tuple[dict[str, torch.Tensor] | None, tuple | None, torch.Tensor | None]:
+        """Run slice k. Returns ``(context, (q, k, v), None)`` for a slice that ends at attention
+        k (set ``context[ATTN_OUT]`` to its output ``o[T,H,Dv]`` and call ``advance(k+1, ...)``),
+        or ``(None, None, result)`` for the last slice (logits of the sample rows for HF causal
+        LMs, ``[R, V]``; the whole first output otherwise). The context holds the values later
+        slices read (the minimum cut), so moving it is moving the micro-batch."""
+        out = self.run_slice(k, values)
+        if k == len(self.specs):
+            result = out["output0"][0]  # drop the batch dimension of 1
+            rows = values["logits_to_keep"]
+            return None, None, result if "logits_to_keep" in self.infos[k].inputs else result[rows]
+        context = {n: values[n] for n in ("input_ids", "position_ids", "logits_to_keep")}
+        context.update({n: t for n, t in out.items() if n not in ("q", "k", "v")})
+        return context, (out["q"], out["k"], out["v"]), None
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 sample_rows: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """Chain all slices over flattened tokens ``input_ids[T]``, ``position_ids[T]``;
-        ``attend`` computes each attention. Returns the first model output (logits of
-        ``sample_rows`` for HF causal LMs, ``[R, V]``; the whole output otherwise)."""
-        values: dict[str, torch.Tensor] = {"input_ids": input_ids[None],
-                                           "position_ids": position_ids[None],
-                                           "logits_to_keep": sample_rows}
+        """Chain all slices over flattened tokens; ``attend`` computes each attention. Returns
+        what the last :meth:`advance` returns."""
+        values = self.start(input_ids, position_ids, sample_rows)
         for k in range(len(self.slices)):
-            out = self.run_slice(k, values)
-            if k == len(self.specs):
-                result = out["output0"][0]  # drop the batch dimension of 1
-                return result if "logits_to_keep" in self.infos[k].inputs else result[sample_rows]
-            values = {n: values[n] for n in ("input_ids", "position_ids", "logits_to_keep")}
-            values.update({n: t for n, t in out.items() if n not in ("q", "k", "v")})
-            values[ATTN_OUT] = attend(k, out["q"], out["k"], out["v"]).contiguous()
+            context, qkv, result = self.advance(k, values)
+            if context is None:
+                return result
+            context[ATTN_OUT] = attend(k, *qkv).contiguous()
+            values = context
         raise AssertionError("unreachable")
 
     # -- checking ------------------------------------------------------------------------------

@@ -91,10 +91,12 @@ def to_message(obj: Any, kind: MsgKind | None = None) -> Message:
         works = [[w.req_id, w.q_start, w.num_q, w.append_start, w.num_append] for w in obj.works]
         return Message(MsgKind.PREPARE, step_id=obj.step_id, meta={"works": works})
     if isinstance(obj, AttendMsg):
-        return Message(MsgKind.ATTEND, obj.step_id, obj.layer, obj.reply_to,
+        meta = {"works": list(obj.works)} if obj.works is not None else {}
+        return Message(MsgKind.ATTEND, obj.step_id, obj.layer, obj.reply_to, meta=meta,
                        tensors=[obj.q, obj.k, obj.v])
     if isinstance(obj, AttendResult):
-        return Message(MsgKind.RESULT, obj.step_id, obj.layer, tensors=[obj.o, obj.lse])
+        meta = {"span": list(obj.span_ns)} if obj.span_ns is not None else {}
+        return Message(MsgKind.RESULT, obj.step_id, obj.layer, meta=meta, tensors=[obj.o, obj.lse])
     if isinstance(obj, KVChunk):
         kind = MsgKind.KV if kind is None else kind
         if kind not in (MsgKind.KV, MsgKind.IMPORT):
@@ -168,10 +170,15 @@ def from_message(msg: Message) -> Any:
         return PrepareMsg(msg.step_id, [ShardWork(*_ints(w, "a work", 5)) for w in works])
     if kind == MsgKind.ATTEND:
         q, k, v = _tensors(msg, 3)
-        return AttendMsg(msg.step_id, msg.layer, q, k, v, reply_to=msg.reply_to)
+        works = meta.get("works")
+        return AttendMsg(msg.step_id, msg.layer, q, k, v, reply_to=msg.reply_to,
+                         works=tuple(_ints(works, "a works range", 2)) if works is not None
+                         else None)
     if kind == MsgKind.RESULT:
         o, lse = _tensors(msg, 2)
-        return AttendResult(msg.step_id, msg.layer, o, lse)
+        span = meta.get("span")
+        return AttendResult(msg.step_id, msg.layer, o, lse,
+                            tuple(_ints(span, "a span", 2)) if span is not None else None)
     if kind in (MsgKind.KV, MsgKind.IMPORT):
         k, v = _tensors(msg, 2)
         return KVChunk(_int(meta, "req_id"), _int(meta, "start_pos"), k, v)

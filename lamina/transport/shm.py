@@ -531,6 +531,7 @@ class ShmChannel(Channel):
                         raise ChannelClosed("shm channel is closed")
                     free = cap - (self._tx_head - ctl[_TAIL])
                     if free <= 0:
+                        self._wake_reader(ring)  # it must drain the ring before we go on
                         self._wait(ring, _W_WAIT, ring.space_bell, has_space, self._check_tx, None)
                         continue
                     _fence()  # the reader's tail store precedes our overwrite
@@ -541,9 +542,13 @@ class ShmChannel(Channel):
                     self._tx_head += n
                     _fence()  # data before head
                     ctl[_HEAD] = self._tx_head
-                    _fence()  # head before reading the reader's waiting flag
-                    if ctl[_R_WAIT]:
-                        ring.data_bell.ring()
+            self._wake_reader(ring)  # once per message, not per buffer: fewer wake-ups
+
+    @staticmethod
+    def _wake_reader(ring: _Ring) -> None:
+        _fence()  # head before reading the reader's waiting flag
+        if ring.ctl[_R_WAIT]:
+            ring.data_bell.ring()
 
     def recv(self, timeout: float | None = None) -> Message:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)

@@ -82,8 +82,9 @@ def test_lamina_bench_cli_writes_report_with_baselines(folder, tmp_path, capsys)
 
 
 def test_lamina_bench_cli_errors(folder, tmp_path, capsys):
-    assert main(["bench", "--model", folder, "--compute", "2", "--report", str(tmp_path)]) == 2
-    assert "pipelining" in capsys.readouterr().err
+    assert main(["bench", "--model", folder, "--compute", "2", "--pipeline", "none",
+                 "--report", str(tmp_path)]) == 2
+    assert "pipeline 'none'" in capsys.readouterr().err
     assert main(["bench", "--model", str(tmp_path / "missing"), "--report", str(tmp_path)]) == 2
     assert "missing" in capsys.readouterr().err
 

@@ -2,8 +2,8 @@
 
 ``Cluster`` plays the engine's part for the memory nodes: it turns segments into per-node
 PREPARE messages (appends go to the node that the test's placement names for each position;
-queries go to every node holding part of the request), sends one ATTEND per node and layer with
-random q/k/v, merges shards with ``lamina.kernels.merge_states`` and checks every query row
+queries go to every node holding part of the request), sends one ATTEND per node and layer (or
+``parts`` mini-batches of its works) with random q/k/v, merges shards with ``lamina.kernels.merge_states`` and checks every query row
 against :func:`oracle`, computed in float64 from the full K/V history kept here (never read
 back from a node).
 """
@@ -52,8 +52,8 @@ class Cluster:
     """Memory nodes by name plus the test's own record of every request's K/V history."""
 
     def __init__(self, specs: list[AttentionSpec], nodes: dict[str, MemoryNode], seed: int = 0,
-                 atol: float = 2e-5) -> None:
-        self.specs, self.nodes, self.atol = specs, nodes, atol
+                 atol: float = 2e-5, parts: int = 1) -> None:
+        self.specs, self.nodes, self.atol, self.parts = specs, nodes, atol, parts
         self.gen = torch.Generator().manual_seed(seed)
         self.hist_k: dict[int, list[torch.Tensor]] = {}
         self.hist_v: dict[int, list[torch.Tensor]] = {}
@@ -109,14 +109,25 @@ class Cluster:
         spec = self.specs[layer_idx]
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for name, items in p.plan.items():
-            q = torch.cat([p.q[layer_idx][i] for i, _ in items])
-            k = torch.cat([p.k[layer_idx][i][w.append_start - w.q_start:][:w.num_append]
-                           for i, w in items])
-            v = torch.cat([p.v[layer_idx][i][w.append_start - w.q_start:][:w.num_append]
-                           for i, w in items])
-            res = self.nodes[name].attend(AttendMsg(p.step_id, spec.layer, q, k, v))
-            assert res.o.dtype == q.dtype and res.lse.dtype == torch.float32
-            res.o, res.lse = res.o.cpu(), res.lse.cpu()  # nodes may live on a GPU
+            n = -(-len(items) // self.parts)  # works per mini-batch
+            runs = [(a, min(a + n, len(items))) for a in range(0, len(items), n)]
+            results = []
+            for a, b in runs:
+                sub = items[a:b]
+                q = torch.cat([p.q[layer_idx][i] for i, _ in sub])
+                k = torch.cat([p.k[layer_idx][i][w.append_start - w.q_start:][:w.num_append]
+                               for i, w in sub])
+                v = torch.cat([p.v[layer_idx][i][w.append_start - w.q_start:][:w.num_append]
+                               for i, w in sub])
+                works = (a, b) if len(runs) > 1 else None
+                res = self.nodes[name].attend(AttendMsg(p.step_id, spec.layer, q, k, v,
+                                                        works=works))
+                assert res.o.dtype == q.dtype and res.lse.dtype == torch.float32
+                assert res.o.shape[0] == q.shape[0]
+                results.append(res)
+            # nodes may live on a GPU
+            res.o = torch.cat([r.o.cpu() for r in results])
+            res.lse = torch.cat([r.lse.cpu() for r in results])
             row = 0
             for i, w in items:
                 parts.setdefault(i, []).append((res.o[row: row + w.num_q],

@@ -23,14 +23,16 @@ def make_specs() -> list[AttentionSpec]:
 
 
 def make_cluster(*names: str, capacity: int = 96, slab_size: int = 16, seed: int = 0,
-                 device: str = "cpu") -> Cluster:
+                 device: str = "cpu", parts: int = 1) -> Cluster:
     specs = make_specs()
     return Cluster(specs, {n: MemoryNode(specs, capacity, slab_size=slab_size, device=device)
-                           for n in names}, seed=seed)
+                           for n in names}, seed=seed, parts=parts)
 
 
-def test_prefill_chunks_and_decodes_across_two_nodes_match_oracle():
-    c = make_cluster("A", "B")
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_prefill_chunks_and_decodes_across_two_nodes_match_oracle(parts):
+    """``parts > 1``: every ATTEND goes out as mini-batches of the node's works."""
+    c = make_cluster("A", "B", parts=parts)
     c.place = {1: [(0, "A")], 2: [(0, "A")], 3: [(0, "A"), (8, "B")], 4: [(0, "B")]}
     # two micro-batches in flight, layers interleaved between them
     c.run([(1, 0, 6), (2, 0, 3)], [(3, 0, 5)])
@@ -255,6 +257,36 @@ def test_prepare_and_attend_validation():
     assert torch.equal(chunk.k, torch.stack(ks)) and torch.equal(chunk.v, -torch.stack(ks))
     with pytest.raises(ValueError):
         MemoryNode([specs[0], AttentionSpec(1, 4, 4, D, 1.0)], 8)  # mixed KV shapes
+
+
+def test_attend_mini_batches_must_continue_the_layer_in_order():
+    specs = make_specs()
+    node = MemoryNode(specs, 32, slab_size=8)
+    works = [ShardWork(1, 0, 3, 0, 3), ShardWork(2, 0, 1, 0, 1), ShardWork(3, 0, 2, 0, 2)]
+    node.prepare(PrepareMsg(1, works))
+    q, kv = torch.randn(6, H, D), torch.randn(6, HKV, D)
+    whole = MemoryNode(specs, 32, slab_size=8)
+    whole.prepare(PrepareMsg(1, works))
+    want = whole.attend(AttendMsg(1, 0, q, kv, kv))
+    for bad in [(1, 2), (0, 0), (0, 4), (2, 1)]:  # not starting at work 0, empty, past the end
+        with pytest.raises(ValueError, match="continue"):
+            node.attend(AttendMsg(1, 0, q[:0], kv[:0], kv[:0], works=bad))
+    with pytest.raises(ValueError, match="expected"):  # works [0, 1) has 3 rows, not 4
+        node.attend(AttendMsg(1, 0, q[:4], kv[:4], kv[:4], works=(0, 1)))
+    r1 = node.attend(AttendMsg(1, 0, q[:3], kv[:3], kv[:3], works=(0, 1)))
+    with pytest.raises(ValueError, match="continue"):  # [0, 1) again
+        node.attend(AttendMsg(1, 0, q[:3], kv[:3], kv[:3], works=(0, 1)))
+    r2 = node.attend(AttendMsg(1, 0, q[3:], kv[3:], kv[3:], works=(1, 3)))
+    assert r1.o.shape[0] == 3 and r2.o.shape[0] == 3
+    torch.testing.assert_close(torch.cat([r1.o, r2.o]), want.o)
+    torch.testing.assert_close(torch.cat([r1.lse, r2.lse]), want.lse)
+    with pytest.raises(ValueError, match="already attended"):
+        node.attend(AttendMsg(1, 0, q, kv, kv))
+    assert node.in_flight == [1]  # the other layers are still to come
+    for spec in specs[1:]:
+        node.attend(AttendMsg(1, spec.layer, q[:4], kv[:4], kv[:4], works=(0, 2)))
+        node.attend(AttendMsg(1, spec.layer, q[4:], kv[4:], kv[4:], works=(2, 3)))
+    assert node.in_flight == [] and node.shard(3) == (0, 2)
 
 
 @pytest.mark.gpu

@@ -28,8 +28,10 @@ def test_attend_and_result_round_trip():
     m = over_wire(codec.to_message(a))
     assert (m.kind, m.step_id, m.layer, m.reply_to) == (MsgKind.ATTEND, 9, 4, 2)
     b = codec.from_message(m)
-    assert (b.step_id, b.layer, b.reply_to) == (9, 4, 2)
+    assert (b.step_id, b.layer, b.reply_to, b.works) == (9, 4, 2, None)
     assert_same([a.q, a.k, a.v], [b.q, b.k, b.v])
+    part = AttendMsg(9, 4, a.q[:2], a.k[:1], a.v[:1], reply_to=1, works=(3, 5))
+    assert codec.from_message(over_wire(codec.to_message(part))).works == (3, 5)
     r = AttendResult(9, 4, torch.randn(5, 8, 16), torch.tensor([[float("-inf")] * 8] * 5))
     r2 = codec.from_message(over_wire(codec.to_message(r)))
     assert (r2.step_id, r2.layer) == (9, 4)
@@ -113,6 +115,7 @@ def test_error_names_are_never_looked_up_outside_the_allow_list():
     Message(MsgKind.PREPARE, meta={"works": [[1, 2, 3, 4, "5"]]}),
     Message(MsgKind.PREPARE, meta={"works": [[1, 2, 3, 4, True]]}),
     Message(MsgKind.ATTEND, tensors=[torch.zeros(1)] * 2),
+    Message(MsgKind.ATTEND, meta={"works": [1]}, tensors=[torch.zeros(1)] * 3),
     Message(MsgKind.RESULT, tensors=[torch.zeros(1)] * 3),
     Message(MsgKind.KV, meta={"req_id": 1}, tensors=[torch.zeros(1)] * 2),
     Message(MsgKind.IMPORT, meta={"req_id": 1.5, "start_pos": 0}, tensors=[torch.zeros(1)] * 2),

@@ -1,0 +1,76 @@
+"""Staggered pipelining keeps greedy outputs token-identical to HF (so identical across none,
+fixed and rotational) with 1-3 compute replicas and 2-4 micro-batches, on tiny llama/gpt2 and
+on the builtin SmolLM2 (slow)."""
+import pytest
+
+from lamina import LLM, SamplingParams
+from lamina.models import load_model
+
+from hf_oracle import hf_greedy
+from tiny_models import tiny_folder, tiny_model
+
+MAX_NEW = 10
+PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
+           for i, n in enumerate((3, 17, 1, 9, 22, 5, 12, 7))]
+# (pipeline, compute replicas, micro-batches, memory setup)
+CONFIGS = [
+    ("none", 1, 1, dict(memory=2, transport="local")),
+    ("fixed", 1, 2, dict(memory=2, transport="local")),
+    ("fixed", 2, 2, dict(memory=1, transport="local")),
+    ("fixed", 3, 4, dict(memory=3, transport="shm")),
+    ("rotational", 1, 2, dict(memory=2, transport="shm")),
+    ("rotational", 2, 3, dict(memory=2, transport="local")),
+    ("rotational", 3, 4, dict(memory=2, transport="shm")),
+    # 24 slots per node: requests span two nodes, queue and get preempted while others are in
+    # flight in another micro-batch
+    ("rotational", 2, 3, dict(memory=2, transport="local", kv_cache_tokens=24)),
+    # communication-attention overlap: each node's share of a layer in mini-batches
+    ("none", 1, 1, dict(memory=2, transport="shm", attn_parts=3)),
+    ("rotational", 1, 2, dict(memory=3, transport="shm", attn_parts=2, kv_cache_tokens=40)),
+    ("fixed", 2, 2, dict(memory=2, transport="local", attn_parts=2, kv_cache_tokens=24)),
+]
+IDS = [f"{p}-N{c}-n{n}-{m['transport']}{'-tight' if 'kv_cache_tokens' in m else ''}"
+       f"{'-parts%d' % m['attn_parts'] if 'attn_parts' in m else ''}" for p, c, n, m in CONFIGS]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def tiny(request, tmp_path_factory):
+    folder = tiny_folder(request.param, tmp_path_factory.mktemp(request.param))
+    model = tiny_model(request.param)
+    model.generation_config.eos_token_id = None
+    return folder, hf_greedy(model, PROMPTS, MAX_NEW)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_pipelined_greedy_matches_hf(tiny, config):
+    folder, want = tiny
+    pipeline, compute, n, mem = config
+    with LLM(str(folder), compute=compute, micro_batches=n, pipeline=pipeline, **mem) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert all(o.error is None for o in outs)
+        times = llm.engine.worker.times()
+        assert times.steps > 0
+        if n > 1:  # more than one micro-batch really was in flight
+            assert llm.engine.worker.worker.executor.max_in_flight > 1
+        for c in llm.pool.clients:
+            assert c.stats().used_slots == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [("rotational", 2, 3, 1), ("fixed", 1, 2, 1),
+                                    ("rotational", 1, 2, 2), ("rotational", 3, 4, 1)],
+                         ids=["rotational-N2-n3", "fixed-N1-n2", "rotational-N1-n2-parts2",
+                              "rotational-N3-n4"])
+def test_smollm2_pipelined_greedy_matches_hf(config):
+    texts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Hello",
+             "Write a haiku about the sea.", "In 1492, Columbus"]
+    loaded = load_model("smollm2")
+    ids = [loaded.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    want = hf_greedy(loaded.model, ids, 12)
+    pipeline, compute, n, parts = config
+    with LLM("smollm2", memory=2, transport="shm", compute=compute, micro_batches=n,
+             pipeline=pipeline, attn_parts=parts) as llm:
+        outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
