@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lamina.request import Request
+from lamina.pool import NodeClient
 from lamina.routing import NodeRoute, build_routes
-from lamina.scheduler import ScheduledSegment, Scheduler, SchedulerConfig
+from lamina.scheduler import Lender, ScheduledSegment, Scheduler, SchedulerConfig
 from lamina.types import SamplingParams, Segment, StepPlan
 from lamina.worker import WorkerClient
 
@@ -40,15 +41,18 @@ class StepOutput:
 class Engine:
     def __init__(self, worker: WorkerClient, capacities: list[int], config: SchedulerConfig,
                  eos_token_ids: set[int] | None = None, tokenizer=None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, id_base: int = 0, lender: Lender | None = None):
+        """``id_base`` starts this engine's request and step ids, so engines whose pools lend
+        to each other never share an id on a memory node; ``lender`` (cluster borrowing)
+        supplies KV space beyond ``capacities``."""
         self.worker = worker
         self.vocab_size = vocab_size
-        self.scheduler = Scheduler(capacities, config)
+        self.scheduler = Scheduler(capacities, config, lender)
         self.eos = set(eos_token_ids or ())
         self.tokenizer = tokenizer
         self.requests: dict[int, Request] = {}
-        self._ids = itertools.count()
-        self._steps = itertools.count()
+        self._ids = itertools.count(id_base)
+        self._steps = itertools.count(id_base)
         self._in_flight: dict[int, MicroBatch] = {}  # slot -> micro-batch
         self._aborted: dict[int, Exception] = {}  # req_id -> error, applied at completion
 
@@ -67,6 +71,18 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._in_flight)
+
+    def busy(self) -> set[int]:
+        """Requests in a micro-batch in flight (their KV must not move)."""
+        return {s.req.req_id for mb in self._in_flight.values() for s in mb.segs}
+
+    def attach(self, client: NodeClient, capacity: int) -> int:
+        """Another pool's node, of which ``capacity`` slots are lent to this engine; returns its
+        index in this engine's routes and scheduler."""
+        index = self.worker.attach(client)
+        if self.scheduler.add_node(capacity) != index:
+            raise RuntimeError("worker and scheduler disagree on the number of memory nodes")
+        return index
 
     # -- one iteration -----------------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -94,7 +110,7 @@ class Engine:
         for slot in range(n):
             if slot in self._in_flight:
                 continue
-            busy = {s.req.req_id for mb in self._in_flight.values() for s in mb.segs}
+            busy = self.busy()
             max_seqs = None
             if n > 1:  # spread the requests over the micro-batches
                 active = len(self.scheduler.running) + len(self.scheduler.waiting)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 
 from lamina.memnode import MemoryNode
-from lamina.types import AttendMsg, AttendResult, NodeStats, PrepareMsg
+from lamina.types import AttendMsg, AttendResult, KVChunk, NodeStats, PrepareMsg
 
 
 class NodeFailure(RuntimeError):
@@ -44,6 +44,16 @@ class NodeClient(ABC):
     @abstractmethod
     def stats(self) -> NodeStats: ...
 
+    def export(self, req_id: int, start: int, end: int) -> KVChunk:
+        """EXPORT positions ``[start, end)`` of a request's shard (moving KV between pools)."""
+        raise NotImplementedError(f"{self.name}: moving KV needs an in-process memory node")
+
+    def import_kv(self, chunk: KVChunk) -> None:
+        raise NotImplementedError(f"{self.name}: moving KV needs an in-process memory node")
+
+    def free_range(self, req_id: int, start: int, end: int) -> None:
+        raise NotImplementedError(f"{self.name}: moving KV needs an in-process memory node")
+
     def close(self) -> None:  # noqa: B027 - optional
         pass
 
@@ -70,3 +80,12 @@ class InProcessNode(NodeClient):
 
     def stats(self) -> NodeStats:
         return self.node.stats()
+
+    def export(self, req_id: int, start: int, end: int) -> KVChunk:
+        return self.node.export(req_id, start, end)
+
+    def import_kv(self, chunk: KVChunk) -> None:
+        self.node.import_kv(chunk)
+
+    def free_range(self, req_id: int, start: int, end: int) -> None:
+        self.node.free_range(req_id, start, end)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from lamina.request import Request, ShardPlacement, Status
 
@@ -35,11 +36,26 @@ class ScheduledSegment:
     sample: bool
 
 
+class Lender(Protocol):
+    """Where a scheduler gets KV space beyond its own pool (cluster borrowing,
+    :mod:`lamina.borrowing`)."""
+
+    def cluster_slots(self) -> int:
+        """KV slots of every pool together, this one included: what one request could reach."""
+
+    def borrow(self, req: Request, num_slots: int) -> bool:
+        """Try to add at least ``num_slots`` slots this request can place its next positions on
+        (new nodes via :meth:`Scheduler.add_node`, or more on its tail's borrowed node via
+        :meth:`Scheduler.resize`); False (nothing changed) when no pool has room."""
+
+
 class Scheduler:
-    def __init__(self, node_capacities: list[int], config: SchedulerConfig):
+    def __init__(self, node_capacities: list[int], config: SchedulerConfig,
+                 lender: Lender | None = None):
         self.capacity = list(node_capacities)
         self.free = list(node_capacities)
         self.config = config
+        self.lender = lender
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._busy: frozenset[int] | set[int] = frozenset()  # in flight during schedule()
@@ -48,12 +64,42 @@ class Scheduler:
     def total_capacity(self) -> int:
         return sum(self.capacity)
 
+    # -- capacity changes (borrowing) --------------------------------------------------------------
+    def add_node(self, capacity: int) -> int:
+        """A node this scheduler may place on from now on (e.g. another pool's node lending
+        ``capacity`` slots); returns its index."""
+        self.capacity.append(capacity)
+        self.free.append(capacity)
+        return len(self.capacity) - 1
+
+    def resize(self, node: int, delta: int) -> None:
+        """Grow (lent to us, or lent space returned) or shrink (lent out, given back) a node's
+        capacity by ``delta`` slots; shrinking takes free slots only (ValueError otherwise)."""
+        if self.free[node] + delta < 0:
+            raise ValueError(f"node {node} has {self.free[node]} free slots, cannot give {-delta}")
+        self.capacity[node] += delta
+        self.free[node] += delta
+
+    @property
+    def max_capacity(self) -> int:
+        """The most KV one request could ever get: every pool's with borrowing, else this one's."""
+        return self.lender.cluster_slots() if self.lender else self.total_capacity
+
+    def _room(self, req: Request) -> int:
+        """Free slots req could place on: its tail node's and those of nodes it does not use."""
+        used = {s.node for s in req.shards}
+        tail = req.shards[-1].node if req.shards else None
+        return sum(f for i, f in enumerate(self.free) if i == tail or i not in used)
+
+    def _borrow(self, req: Request, n: int) -> bool:
+        return self.lender is not None and self.lender.borrow(req, n)
+
     def check_admissible(self, req: Request) -> None:
         """Raise ValueError for a request that can never run (before it is queued)."""
         n = len(req.prompt_ids)
         if n == 0:
             raise ValueError(f"request {req.req_id}: empty prompt")
-        cap = self.total_capacity
+        cap = self.max_capacity
         if n + 1 > cap:
             raise ValueError(f"request {req.req_id}: prompt of {n} tokens does not fit in the KV "
                              f"capacity of all memory nodes together ({cap} tokens)")
@@ -129,6 +175,8 @@ class Scheduler:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed, budget)
             appends = self._place(req, n)
+            if appends is None and self._borrow(req, n - self._room(req)):  # not preempt
+                appends = self._place(req, n)
             while appends is None:
                 victim = self._pick_victim(exclude=req, scheduled=segs)
                 if victim is None:
@@ -139,14 +187,14 @@ class Scheduler:
                 preempted.append(victim)
                 appends = self._place(req, n)
             if appends is None:
-                if req.num_computed + n <= self.total_capacity:
+                if req.num_computed + n <= self.max_capacity:
                     self._preempt(req)  # others in this step hold the memory: retry later
                 else:  # would not fit even alone
                     self.release(req)
                     self.running.remove(req)
                     req.finish("error", MemoryError(
                         f"request {req.req_id}: out of KV memory at {req.num_tokens} tokens "
-                        f"(pool capacity {self.total_capacity} tokens)"))
+                        f"(pool capacity {self.max_capacity} tokens)"))
                 preempted.append(req)  # its KV must be freed on the nodes either way
                 continue
             segs.append(ScheduledSegment(req, req.num_computed, n, appends,
@@ -157,6 +205,9 @@ class Scheduler:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed, budget)
             appends = self._place(req, n)
+            if (appends is None and req.num_tokens + 1 > self.total_capacity
+                    and self._borrow(req, n - self._room(req))):
+                appends = self._place(req, n)  # it can never fit in this pool alone
             if appends is None:
                 break  # FIFO: wait for memory
             self.waiting.popleft()

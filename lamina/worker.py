@@ -66,6 +66,11 @@ class WorkerClient(ABC):
     def stats(self) -> list[NodeStats]:
         """STATS of every memory node."""
 
+    def attach(self, client: NodeClient) -> int:
+        """Add another pool's node (borrowing); returns its index for routes."""
+        raise NotImplementedError(f"{type(self).__name__} cannot attach borrowed memory nodes "
+                                  "(cluster borrowing needs the replicas in this process)")
+
     def times(self) -> WorkerTimes | None:
         """Step timings, where the replica runs in this process; None otherwise."""
         return None
@@ -82,8 +87,8 @@ class ReplicaWorker:
                  pipeline: PipelineConfig | None = None, timeline: Timeline | None = None):
         self.replicas = replica if isinstance(replica, list) else [replica]
         self.replica = self.replicas[0]
-        self.nodes = nodes
-        self.executor = PipelineExecutor(self.replicas, nodes, pipeline, timeline)
+        self.nodes = list(nodes)  # own pool's nodes, then attached (borrowed) ones
+        self.executor = PipelineExecutor(self.replicas, self.nodes, pipeline, timeline)
         self._times = WorkerTimes()
 
     @property
@@ -120,6 +125,10 @@ class ReplicaWorker:
     def stats(self) -> list[NodeStats]:
         return [n.stats() for n in self.nodes]
 
+    def attach(self, client: NodeClient) -> int:
+        self.nodes.append(client)  # the executor shares this list
+        return len(self.nodes) - 1
+
 
 class LocalWorker(WorkerClient):
     """A ReplicaWorker in this process: plain calls."""
@@ -145,6 +154,9 @@ class LocalWorker(WorkerClient):
 
     def stats(self) -> list[NodeStats]:
         return self.worker.stats()
+
+    def attach(self, client: NodeClient) -> int:
+        return self.worker.attach(client)
 
     def times(self) -> WorkerTimes:
         return self.worker.times

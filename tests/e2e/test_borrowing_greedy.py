@@ -1,0 +1,87 @@
+"""Cluster borrowing keeps greedy output token-identical to HF: a request longer than any single
+pool completes by borrowing KV space from other instances' pools (reactive), KV moved between
+pools by the gManager's placement (proactive) is attended where it lands, and no request is
+lost."""
+import pytest
+
+from lamina.deployment import Deployment
+from lamina.types import SamplingParams
+
+from hf_oracle import hf_greedy
+from tiny_models import tiny_folder, tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tiny_folder("llama", tmp_path_factory.mktemp("llama"))
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    return folder, model
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(7 * seed + 13 * j + 3) % 90 + 3 for j in range(n)]
+
+
+def _no_kv_left(d: Deployment) -> None:
+    for inst in d.instances:
+        for c in inst.pool.clients:
+            assert c.stats().used_slots == 0
+        s = inst.scheduler
+        assert sum(s.free) == sum(s.capacity)
+        assert sum(s.capacity[:inst.own_nodes]) == sum(inst.physical)  # every loan came back
+
+
+@pytest.mark.parametrize("instances,memory", [(2, 1), (3, 2)])
+def test_request_longer_than_any_pool_matches_hf(tiny, instances, memory):
+    folder, model = tiny
+    # the long request needs about 1.5 pools; the others compete for the rest
+    cap = 40
+    long = _prompt(int(1.3 * cap * memory), 1)
+    prompts = [long, _prompt(9, 2), _prompt(4, 3)]
+    want = hf_greedy(model, prompts, GREEDY.max_tokens)
+    with Deployment.from_model(str(folder), instances=instances, memory=memory,
+                               kv_cache_tokens=cap, slab_size=8) as d:
+        assert len(long) + GREEDY.max_tokens > cap * memory  # no single pool can hold it
+        reqs = d.generate(prompts, GREEDY)
+        assert [r.error for r in reqs] == [None, None, None]
+        assert [r.output_ids for r in reqs] == want
+        assert reqs[0].max_shards > memory  # its KV really spanned pools
+        assert d.loans
+        _no_kv_left(d)
+
+
+def test_without_borrowing_the_long_request_fails_cleanly(tiny):
+    folder, _ = tiny
+    with Deployment.from_model(str(folder), instances=2, memory=1, kv_cache_tokens=32,
+                               slab_size=8, borrowing=False) as d:
+        with pytest.raises(ValueError, match="does not fit"):
+            d.add_request(_prompt(40, 1), GREEDY)
+        # a prompt that fits but grows out of its pool ends with a clear error; the rest finish
+        reqs = d.generate([_prompt(28, 1), _prompt(5, 2)],
+                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert reqs[0].finish_reason == "error" and "out of KV memory" in str(reqs[0].error)
+        assert reqs[1].error is None and len(reqs[1].output_ids) == 8
+
+
+def test_proactive_moves_keep_greedy_output(tiny):
+    """The gManager's greedy placement moves long requests' oldest slabs to the idle instance
+    while they decode; outputs still match HF."""
+    from lamina.borrowing import PerfModel
+
+    folder, model = tiny
+    # instance 0 gets long requests (a small batch that fills its pool), instance 1 idles
+    perf = PerfModel([1, 8], [1e-3, 2e-3], [8, 64], [1e-5, 4e-5])
+    prompts = [_prompt(26, s) for s in range(4)]
+    want = hf_greedy(model, prompts, GREEDY.max_tokens)
+    with Deployment.from_model(str(folder), instances=2, memory=1, kv_cache_tokens=96,
+                               slab_size=8, beta_thres=4, util_thres=0.5, perf=perf,
+                               plan_every=2) as d:
+        reqs = [d.instances[0].engine.add_request(p, GREEDY) for p in prompts]
+        while d.has_work():
+            d.step()
+        assert d.moves > 0
+        assert [r.output_ids for r in reqs] == want
+        _no_kv_left(d)
