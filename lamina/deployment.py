@@ -34,7 +34,7 @@ from lamina.computenode.sampling import Sampler
 from lamina.engine import Engine, StepOutput
 from lamina.nodes import MemoryPoolHandle, start_memory_pool
 from lamina.pool import InProcessNode
-from lamina.request import Request, ShardPlacement
+from lamina.request import Request
 from lamina.scheduler import SchedulerConfig
 from lamina.splitter import SplitModel
 from lamina.types import SamplingParams
@@ -106,7 +106,6 @@ class Deployment:
             if perf == "profile":
                 from lamina.profiling import profile_perf
                 perf = profile_perf(split, device, dtype)
-            self.perf = perf
             kw = dict(beta_thres=beta_thres, util_thres=util_thres, perf=perf)
             target = start_gmanager(slab_size, **kw) if gmanager == "ray" else GManager(slab_size, **kw)
             self.gmanager = GManagerClient(target)
@@ -146,9 +145,6 @@ class Deployment:
         """Route to the least-loaded instance (fewest requests, then most free slots)."""
         inst = min(self.instances, key=lambda x: (x.load(), -sum(x.scheduler.free), x.inst_id))
         return inst.engine.add_request(prompt_ids, params)
-
-    def instance_of(self, req_id: int) -> Instance:
-        return self.instances[req_id // ID_STRIDE]
 
     def has_work(self) -> bool:
         return any(x.engine.has_work() for x in self.instances)
@@ -310,12 +306,7 @@ class Deployment:
         self.lend(loan, count)
         creditor.rmanager.ack(res.res_id)
         # the data has landed: switch the placement, then free the source range
-        s = src.scheduler
-        s.free[loan.debtor_node] -= count
-        req.shards.insert(0, ShardPlacement(loan.debtor_node, a, count))
-        first.start += count
-        first.length -= count
-        s.free[first.node] += count
+        src.scheduler.move_prefix(req, loan.debtor_node, count)
         src.pool.clients[first.node].free_range(req.req_id, a, a + count)
         self.moves += 1
         return True

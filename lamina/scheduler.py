@@ -91,6 +91,18 @@ class Scheduler:
         tail = req.shards[-1].node if req.shards else None
         return sum(f for i, f in enumerate(self.free) if i == tail or i not in used)
 
+    def move_prefix(self, req: Request, node: int, count: int) -> None:
+        """Account for the first ``count`` positions of req's first shard now living on ``node``
+        (a node req does not use; its KV was moved there)."""
+        first = req.shards[0]
+        if count >= first.length or node in {s.node for s in req.shards} or self.free[node] < count:
+            raise ValueError(f"request {req.req_id}: cannot move {count} positions to node {node}")
+        self.free[node] -= count
+        self.free[first.node] += count
+        req.shards.insert(0, ShardPlacement(node, first.start, count))
+        first.start += count
+        first.length -= count
+
     def _borrow(self, req: Request, n: int) -> bool:
         return self.lender is not None and self.lender.borrow(req, n)
 
