@@ -3,6 +3,11 @@ few very long ones) on the same instances, without and with borrowing, in one ru
 
     python bench/borrowing.py [--model smollm2] [--instances 2] [--memory 1]
                               [--kv-cache-tokens 192] [--requests 24] [--rate 4] [--scale 0.05]
+    python bench/borrowing.py --placement ray    # what `lamina launch --instances` runs
+
+``--placement local`` (default) runs the instances in this process (shared weights, in-process
+memory nodes); ``--placement ray`` places every compute replica and memory node in a Ray actor
+of its own (:func:`lamina.cluster.start_deployment`), so borrowed KV is attended over shm.
 
 Each instance's pool holds ``memory x kv_cache_tokens`` slots, so a long request can outgrow
 any single pool. Prints and saves ``bench/results/borrowing_cpu.{json,md,png}``: cluster
@@ -72,8 +77,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scale", type=float, default=0.05)
     ap.add_argument("--plan-every", type=int, default=4)
     ap.add_argument("--seed", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "borrowing_cpu"))
+    ap.add_argument("--placement", choices=["local", "ray"], default="local")
+    ap.add_argument("--out", help="output stem (default: bench/results/borrowing_cpu, "
+                                  "borrowing_ray_cpu with --placement ray)")
     args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("borrowing_cpu" if args.placement == "local"
+                                          else "borrowing_ray_cpu"))
 
     loaded = load_model(args.model)
     split = split_model(loaded.model)
@@ -87,9 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     perf = profile_perf(split)
     runs = {}
     for borrowing in (False, True):
-        with Deployment(split, args.instances, args.memory, kv_cache_tokens=args.kv_cache_tokens,
-                        slab_size=args.slab_size, borrowing=borrowing, perf=perf,
-                        plan_every=args.plan_every) as d:
+        with _deployment(args, split, borrowing, perf) as d:
             runs["with" if borrowing else "without"] = run_trace(
                 d, trace, "borrowing" if borrowing else "no borrowing")
     cmd = "python bench/borrowing.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -101,12 +108,24 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _deployment(args: argparse.Namespace, split, borrowing: bool, perf) -> Deployment:
+    kw = dict(slab_size=args.slab_size, borrowing=borrowing, perf=perf,
+              plan_every=args.plan_every)
+    if args.placement == "local":
+        return Deployment.local(split, args.instances, args.memory,
+                                kv_cache_tokens=args.kv_cache_tokens, **kw)
+    from lamina.cluster import start_deployment
+    return start_deployment(args.model, instances=args.instances, memory=args.memory,
+                            transport="shm", kv_cache_tokens=args.kv_cache_tokens,
+                            progress=lambda s: print(s, file=sys.stderr), **kw)
+
+
 def _save(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     r, a = result["runs"], result["args"]
     lines = [f"# Cluster borrowing on a mixed trace ({a['model']}, {a['instances']} instances, "
-             f"{result['pool_slots']} KV slots each)", "", f"`{result['command']}`", "",
+             f"{result['pool_slots']} KV slots each, placement {a.get('placement', 'local')})", "", f"`{result['command']}`", "",
              f"{a['requests']} requests, Poisson {a['rate']}/s; long requests' contexts: "
              f"{result['long_contexts']}", "",
              "| borrowing | tok/s | completed | failed | longest context served | KV moves | loans |",

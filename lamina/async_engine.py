@@ -1,5 +1,7 @@
-"""The engine behind a server: one thread owns the Engine; asyncio callers submit requests
-and read their deltas from per-request queues.
+"""The engine behind a server: one thread owns the Engine (or a
+:class:`~lamina.deployment.Deployment` of several instances, which answers the same calls:
+``add_request``, ``has_work``, ``step``, ``abort``, ``forget``, ``counts``, ``kv_slots``);
+asyncio callers submit requests and read their deltas from per-request queues.
 
 Only the engine thread touches the Engine (and through it the compute replica and memory
 nodes). Submissions and aborts are commands on a thread-safe queue; results are delivered to
@@ -13,9 +15,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from lamina.engine import Engine
+if TYPE_CHECKING:
+    from lamina.deployment import Deployment
 from lamina.outputs import StreamDelta, stable_text
 from lamina.request import Request
 from lamina.types import SamplingParams
@@ -50,10 +54,10 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer=None, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine: Engine | Deployment, tokenizer=None, on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.metrics = EngineMetrics(kv_capacity_slots=list(engine.scheduler.capacity))
+        self.metrics = EngineMetrics(kv_capacity_slots=engine.kv_slots()[1])
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}
         self._fatal: BaseException | None = None
@@ -138,7 +142,7 @@ class AsyncEngine:
             req = cmd[1]
             self.engine.abort(req, RuntimeError("aborted by the client"))
             self._streams.pop(req.req_id, None)
-            self.engine.requests.pop(req.req_id, None)
+            self.engine.forget(req.req_id)
 
     def _deliver(self, step) -> None:
         now = time.monotonic()
@@ -161,16 +165,15 @@ class AsyncEngine:
             st.sent_tokens, st.sent_text = len(req.output_ids), text
             if req.finished:
                 self._streams.pop(rid, None)
-                self.engine.requests.pop(rid, None)
+                self.engine.forget(rid)
                 reason = req.finish_reason or "stop"
                 self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
             st.loop.call_soon_threadsafe(st.queue.put_nowait, StreamDelta(
                 rid, 0, new_ids, delta, req.finished, req.finish_reason, req.error))
 
     def _update_stats(self) -> None:
-        self.metrics.running = len(self.engine.scheduler.running)
-        self.metrics.waiting = len(self.engine.scheduler.waiting)
-        self.metrics.kv_used_slots = [s.used_slots for s in self.engine.worker.stats()]
+        self.metrics.running, self.metrics.waiting = self.engine.counts()
+        self.metrics.kv_used_slots, self.metrics.kv_capacity_slots = self.engine.kv_slots()
 
     def _fail(self, e: BaseException) -> None:
         self._fatal = e

@@ -310,6 +310,13 @@ class GManagerClient:
         import ray
         return ray.get(fn.remote(*args), timeout=timeout)
 
+    def close(self) -> None:
+        """Stop the gManager actor (a gManager in this process needs nothing)."""
+        if self.remote:
+            import ray
+            if ray.is_initialized():
+                ray.kill(self.target)
+
 
 class RManager:
     """One instance's resource manager: reports placement deltas to the gManager.

@@ -18,6 +18,8 @@ from typing import Any, Callable
 import ray
 import torch
 
+from lamina.remote_worker import RemoteWorker
+
 TRANSPORTS = ("auto", "shm", "tcp")
 SHM_RING_BYTES = 8 << 20
 
@@ -60,19 +62,23 @@ def open_channel(endpoint: dict):
 
 @ray.remote(num_cpus=0)
 class MemoryNodeActor:
-    """One memory node: a MemoryNode served on one channel (to the compute replica)."""
+    """One memory node: a MemoryNode served on one channel per client (its own compute
+    replica, debtor replicas that borrowed from it, the deployment moving KV), one request at
+    a time across all of them."""
 
     def __init__(self, config: dict):
         from lamina.remote import build_node
         torch.set_num_threads(int(config.get("num_threads", 1)))
         self.node = build_node(config)
+        self.lock = threading.Lock()
 
     def where(self) -> dict:
         return _here()
 
     def open(self, transport: str, bind_host: str) -> dict:
         from lamina.remote import serve_channel
-        return _serve_endpoint(transport, bind_host, lambda ch: serve_channel(self.node, ch))
+        return _serve_endpoint(transport, bind_host,
+                               lambda ch: serve_channel(self.node, ch, self.lock))
 
     def ping(self) -> bool:
         return True
@@ -117,8 +123,34 @@ class ReplicaActor:
         from lamina.remote_worker import serve_worker
         return _serve_endpoint(transport, bind_host, lambda ch: serve_worker(self.worker, ch))
 
+    def attach(self, endpoint: dict, name: str) -> int:
+        """Connect to another pool's memory node (borrowing); its index in routes. Called by
+        the engine between its steps (no step of this replica in flight)."""
+        from lamina.remote import RemoteNode
+        return self.worker.attach(RemoteNode(open_channel(endpoint), None, name))
+
+    def profile(self) -> dict:
+        """The borrowing performance model measured on this replica's device."""
+        from dataclasses import asdict
+
+        from lamina.profiling import profile_perf
+        return asdict(profile_perf(self.replica.split, str(self.replica.device),
+                                   self.loaded.dtype))
+
     def ping(self) -> bool:
         return True
+
+
+class ClusterWorker(RemoteWorker):
+    """The engine's client of a Ray-placed replica: the data plane over its channel, plus
+    ``attach`` of a borrowed node's endpoint through the actor."""
+
+    def __init__(self, channel, actor, name: str = "compute replica 0"):
+        super().__init__(channel, name)
+        self.actor = actor
+
+    def attach(self, endpoint: dict) -> int:
+        return ray.get(self.actor.attach.remote(endpoint, f"borrowed {endpoint['name']}"))
 
 
 @dataclass
@@ -129,9 +161,12 @@ class Cluster:
     memory: list[Any]
     info: dict
     capacities: list[int]
-    worker: Any  # RemoteWorker
+    worker: ClusterWorker
     transports: dict[str, str] = field(default_factory=dict)
     started_ray: bool = False
+    transport: str = "auto"
+    where: dict = field(default_factory=dict)  # the replica's placement
+    node_where: list[dict] = field(default_factory=list)
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
@@ -139,6 +174,22 @@ class Cluster:
             return True
         except Exception:
             return False
+
+    def share(self, k: int, debtor: "Cluster", name: str = "") -> dict:
+        """An endpoint of memory node ``k`` for ``debtor``'s replica (a new channel)."""
+        kind, host = _pick(self.transport, self.node_where[k], debtor.where)
+        return {**ray.get(self.memory[k].open.remote(kind, host)), "name": name or f"memory node {k}"}
+
+    def node_clients(self, prefix: str = "") -> list:
+        """Clients of every memory node from this process, each on a channel of its own."""
+        from lamina.remote import RemoteNode
+        here = _here()
+        out = []
+        for k, (actor, w) in enumerate(zip(self.memory, self.node_where)):
+            kind, host = _pick(self.transport, w, here)
+            out.append(RemoteNode(open_channel(ray.get(actor.open.remote(kind, host))), None,
+                                  f"{prefix}memory node {k}"))
+        return out
 
     def shutdown(self) -> None:
         """Stop the actors (and Ray, when we started it): nothing is left behind."""
@@ -164,32 +215,39 @@ def _pick(transport: str, a: dict, b: dict) -> tuple[str, str]:
     return kind, "127.0.0.1" if same else a["ip"]
 
 
+def ensure_ray(address: str | None, resources: dict[str, float],
+               progress: Callable[[str], None] = lambda s: None) -> bool:
+    """Start a local Ray with ``resources`` (or join ``address``) unless Ray is up already;
+    True if this call started it (its caller then shuts it down)."""
+    if ray.is_initialized():
+        return False
+    progress("starting Ray" if address is None else f"joining Ray at {address}")
+    if address is None:
+        ray.init(resources=resources, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    else:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    return True
+
+
 def start_cluster(model: str, *, compute: int = 1, memory: int = 1, transport: str = "auto",
                   address: str | None = None, device: str = "cpu",
                   memory_device: str | None = None, dtype: str | None = None,
                   kv_cache_gb: float = 1.0, kv_cache_tokens: int | None = None,
                   slab_size: int = 256, progress: Callable[[str], None] = lambda s: None) -> Cluster:
-    """Start (or join) Ray, place and connect the actors; see the module docstring."""
+    """Start (or join) Ray, place and connect one instance's actors; see the module docstring."""
     from lamina.nodes import node_capacity
     from lamina.remote import node_config
-    from lamina.remote_worker import RemoteWorker
     from lamina.types import AttentionSpec
 
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if compute != 1:
-        raise ValueError("lamina launch runs one compute replica with one micro-batch; several "
-                         "replicas and staggered pipelining (--compute N, --micro-batches n) run "
-                         "in one process for now: lamina generate, lamina bench or LLM(...)")
-    started = False
-    if not ray.is_initialized():
-        progress("starting Ray" if address is None else f"joining Ray at {address}")
-        if address is None:
-            ray.init(resources={"lamina_compute": compute, "lamina_memory": memory},
-                     include_dashboard=False, log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-        started = True
+        raise ValueError("lamina launch runs one compute replica per instance with one "
+                         "micro-batch; several replicas and staggered pipelining (--compute N, "
+                         "--micro-batches n) run in one process for now: lamina generate, "
+                         "lamina bench or LLM(...)")
+    started = ensure_ray(address, {"lamina_compute": compute, "lamina_memory": memory}, progress)
     actors: list[Any] = []
     try:
         gpu = 1 if str(device).startswith("cuda") else 0
@@ -215,14 +273,79 @@ def start_cluster(model: str, *, compute: int = 1, memory: int = 1, transport: s
         endpoints = ray.get([n.open.remote(kind, host) for n, (kind, host) in zip(nodes, links)])
         ray.get(replica.connect.remote(endpoints))
         kind, host = _pick(transport, r_where, here)
-        worker = RemoteWorker(open_channel(ray.get(replica.open.remote(kind, host))))
+        worker = ClusterWorker(open_channel(ray.get(replica.open.remote(kind, host))), replica)
         worker.stats()  # round trip through replica and every memory node
         return Cluster(replica, nodes, info, [cap] * memory, worker,
                        {"engine-replica": kind, "replica-memory": ",".join(k for k, _ in links)},
-                       started)
+                       started, transport, r_where, n_where)
     except BaseException:
         for a in actors:
             ray.kill(a)
         if started:
+            ray.shutdown()
+        raise
+
+
+def start_deployment(model: str, *, instances: int = 1, compute: int = 1, memory: int = 1,
+                     transport: str = "auto", address: str | None = None, device: str = "cpu",
+                     memory_device: str | None = None, dtype: str | None = None,
+                     kv_cache_gb: float = 1.0, kv_cache_tokens: int | None = None,
+                     slab_size: int = 64, borrowing: bool = True, plan_every: int = 0,
+                     beta_thres: int = 8, util_thres: float = 0.5, perf="profile",
+                     max_num_seqs: int = 64,
+                     max_num_batched_tokens: int = 512, tokenizer=None,
+                     progress: Callable[[str], None] = lambda s: None):
+    """``instances`` Ray-placed instances (each: :func:`start_cluster`) behind one
+    :class:`~lamina.deployment.Deployment` in this process: its router, engines, rManagers,
+    and a gManager actor when ``borrowing`` (with more than one instance). With
+    ``plan_every`` the greedy placement runs on ``perf`` (a PerfModel, or ``"profile"``:
+    measured on the first replica now). Closing the deployment stops every actor (and Ray, if this call started it)."""
+    from lamina.borrowing import PerfModel
+    from lamina.deployment import ID_STRIDE, Deployment, Instance
+    from lamina.engine import Engine
+    from lamina.nodes import MemoryPoolHandle
+    from lamina.scheduler import SchedulerConfig
+
+    if instances < 1:
+        raise ValueError(f"instances must be >= 1, got {instances}")
+    started = ensure_ray(address, {"lamina_compute": compute * instances,
+                                   "lamina_memory": memory * instances}, progress)
+    clusters: list[Cluster] = []
+    try:
+        for i in range(instances):
+            clusters.append(start_cluster(
+                model, compute=compute, memory=memory, transport=transport, device=device,
+                memory_device=memory_device, dtype=dtype, kv_cache_gb=kv_cache_gb,
+                kv_cache_tokens=kv_cache_tokens, slab_size=slab_size,
+                progress=(lambda s, i=i: progress(f"instance {i}: {s}")) if instances > 1
+                else progress))
+        clusters[0].started_ray = started  # closed last (Deployment.close goes in reverse)
+        insts = []
+        for i, c in enumerate(clusters):
+            info = c.info
+            config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, info["max_model_len"])
+            engine = Engine(c.worker, c.capacities, config, set(info["eos"]), tokenizer,
+                            info["vocab_size"], id_base=i * ID_STRIDE)
+            clients = c.node_clients(f"instance {i} ")
+            pool = MemoryPoolHandle(clients, list(c.capacities),
+                                    [c.shutdown, *(cl.close for cl in clients)])
+
+            def share(k: int, debtor, c=c, i=i) -> dict:
+                return c.share(k, debtor.host, f"instance {i} memory node {k}")
+
+            insts.append(Instance(i, engine, pool, memory, share, host=c))
+        borrowing = borrowing and instances > 1
+        if not (borrowing and plan_every):
+            perf = None
+        elif perf == "profile":
+            progress("profiling the performance model")
+            perf = PerfModel(**ray.get(clusters[0].replica.profile.remote()))
+        return Deployment(insts, slab_size=slab_size, borrowing=borrowing, gmanager="ray",
+                          beta_thres=beta_thres, util_thres=util_thres, perf=perf,
+                          plan_every=plan_every)
+    except BaseException:
+        for c in reversed(clusters):
+            c.shutdown()
+        if started and ray.is_initialized():
             ray.shutdown()
         raise

@@ -1,8 +1,11 @@
 """Several instances in one deployment, with cluster borrowing between their memory pools.
 
-A :class:`Deployment` runs ``instances`` engines, each with its own compute replicas and memory
-pool, in this process (they share one split model's weights). A router puts each request on
-the least-loaded instance. With ``borrowing`` on, every instance has an
+A :class:`Deployment` runs several instances, each an engine with its own compute replicas and
+memory pool: in this process (:meth:`Deployment.local`; they share one split model's weights)
+or placed by Ray with every replica and memory node in a process of its own
+(:func:`lamina.cluster.start_deployment`, used by ``lamina launch --instances``). A router puts
+each request on the least-loaded instance, and one thread drives every engine: each round
+starts all instances' steps, then collects them. With ``borrowing`` on, every instance has an
 :class:`~lamina.borrowing.RManager` and all share one :class:`~lamina.borrowing.GManager` (a
 Ray actor with ``gmanager="ray"``), and KV space flows between pools in two ways:
 
@@ -13,17 +16,19 @@ Ray actor with ``gmanager="ray"``), and KV space flows between pools in two ways
   cross pools, in the debtor's ATTEND fan-out; the LSE merge makes the result exact.
 * **Proactive** (the gManager's greedy placement): :meth:`Deployment.move_kvcache` moves the
   oldest slabs of a request (a prefix of its first shard) to a creditor: reserve with
-  ``try_move_kvcache``, EXPORT from the source node, IMPORT on the creditor's node, and only
-  then switch the placement and free the source range.
+  ``try_move_kvcache``, EXPORT from the source node, IMPORT on the creditor's node while the
+  instances decode, and only after the round switch the placement and free the source range.
 
-Loans whose space the debtor no longer uses go back to the creditor after every round. Memory
-nodes are shared between instances only in this process (``transport="local"``): request and
-step ids are kept disjoint per instance (``Engine(id_base=...)``).
+Loans whose space the debtor no longer uses go back to the creditor after every round. A
+memory node serves its own replica, every debtor replica that borrowed from it, and this
+deployment's client (moves, stats); request and step ids are kept disjoint per instance
+(``Engine(id_base=...)``) so they never collide on a shared node.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -33,7 +38,7 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.sampling import Sampler
 from lamina.engine import Engine, StepOutput
 from lamina.nodes import MemoryPoolHandle, start_memory_pool
-from lamina.pool import InProcessNode
+from lamina.pool import InProcessNode, NodeFailure
 from lamina.request import Request
 from lamina.scheduler import SchedulerConfig
 from lamina.splitter import SplitModel
@@ -52,18 +57,33 @@ class Loan:
     debtor_node: int
     creditor: int
     creditor_node: int
-    client: InProcessNode  # the debtor's client of the creditor's node
     slots: int = 0
 
 
 @dataclass
 class Instance:
+    """One engine with its memory pool, as the deployment sees it.
+
+    ``pool`` holds the deployment's own clients of the instance's nodes (EXPORT/IMPORT/FREE of
+    ranges when KV moves; STATS) and its closers stop the instance. ``share(k, debtor)`` gives
+    what ``debtor``'s worker attaches to reach own node ``k`` (an :class:`InProcessNode` in
+    this process; a channel endpoint for a Ray-placed replica). ``host`` is what runs the
+    instance (a :class:`lamina.cluster.Cluster` when launched), or None in this process.
+    """
+
     inst_id: int
     engine: Engine
     pool: MemoryPoolHandle
     own_nodes: int
+    share: Callable[[int, "Instance"], Any]
+    host: Any = None
     rmanager: RManager | None = None
     physical: list[int] = field(default_factory=list)  # own nodes' real capacities
+    failed: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        if not self.physical:
+            self.physical = list(self.pool.capacities)
 
     @property
     def scheduler(self):
@@ -74,27 +94,60 @@ class Instance:
         return len(s.running) + len(s.waiting)
 
 
-class Deployment:
-    """``instances`` engines over one split model; see the module docstring.
+@dataclass
+class _Move:
+    """A KV move whose data is in flight (EXPORT/IMPORT done while the instances step)."""
 
-    ``memory`` nodes of ``kv_cache_tokens`` slots per instance. ``gmanager``: ``"local"`` (an
-    object in this process) or ``"ray"`` (a Ray actor; needs Ray). ``plan_every``: run the
-    gManager's greedy placement every that many rounds (0: reactive borrowing only) with
-    ``perf`` (a :class:`~lamina.borrowing.PerfModel`, or ``"profile"``: measure it now with
-    :func:`lamina.profiling.profile_perf`).
+    cmd: MoveCommand
+    res_id: int
+    req: Request
+    node: int  # source node (the request's first shard)
+    start: int
+    count: int
+    loan: Loan
+
+
+def local_instances(split: SplitModel, instances: int, memory: int, *, kv_cache_tokens: int,
+                    slab_size: int, device: str, dtype: torch.dtype, config: SchedulerConfig,
+                    eos_token_ids: set[int] | None = None, tokenizer=None) -> list[Instance]:
+    """``instances`` engines in this process over one split model (shared weights), each with
+    ``memory`` in-process nodes of ``kv_cache_tokens`` slots."""
+    out = []
+    for i in range(instances):
+        pool = start_memory_pool(split.specs, memory, transport="local", device=device,
+                                 dtype=dtype, kv_cache_tokens=kv_cache_tokens,
+                                 slab_size=slab_size)
+        worker = LocalWorker(ReplicaWorker([ComputeReplica(split, device, Sampler())],
+                                           pool.clients))
+        engine = Engine(worker, pool.capacities, config, eos_token_ids, tokenizer,
+                        id_base=i * ID_STRIDE)
+
+        def share(k: int, debtor: Instance, pool=pool, i=i) -> InProcessNode:
+            client = pool.clients[k]
+            return InProcessNode(client.node, f"instance {i} {client.name}")
+
+        out.append(Instance(i, engine, pool, memory, share))
+    return out
+
+
+class Deployment:
+    """Several instances behind one router; see the module docstring.
+
+    ``gmanager``: ``"local"`` (an object in this process) or ``"ray"`` (a Ray actor; needs
+    Ray). ``plan_every``: run the gManager's greedy placement every that many rounds (0:
+    reactive borrowing only) with ``perf`` (a :class:`~lamina.borrowing.PerfModel`). Build one
+    with :meth:`local` / :meth:`from_model` (in this process) or
+    :func:`lamina.cluster.start_deployment` (Ray-placed, for ``lamina launch``).
     """
 
-    def __init__(self, split: SplitModel, instances: int = 2, memory: int = 1, *,
-                 kv_cache_tokens: int, slab_size: int = 16, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, borrowing: bool = True,
+    def __init__(self, instances: list[Instance], *, slab_size: int, borrowing: bool = True,
                  gmanager: str = "local", beta_thres: int = 8, util_thres: float = 0.5,
-                 perf=None, plan_every: int = 0, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 eos_token_ids: set[int] | None = None, tokenizer=None):
-        if instances < 1:
-            raise ValueError(f"instances must be >= 1, got {instances}")
+                 perf=None, plan_every: int = 0):
+        if not instances:
+            raise ValueError("a deployment needs at least one instance")
         if gmanager not in ("local", "ray"):
             raise ValueError(f"gmanager must be 'local' or 'ray', got {gmanager!r}")
+        self.instances = instances
         self.slab = slab_size
         self.borrowing = borrowing
         self.plan_every = plan_every
@@ -103,68 +156,126 @@ class Deployment:
         self._rounds = itertools.count(1)
         self.gmanager: GManagerClient | None = None
         if borrowing:
-            if perf == "profile":
-                from lamina.profiling import profile_perf
-                perf = profile_perf(split, device, dtype)
             kw = dict(beta_thres=beta_thres, util_thres=util_thres, perf=perf)
             target = start_gmanager(slab_size, **kw) if gmanager == "ray" else GManager(slab_size, **kw)
             self.gmanager = GManagerClient(target)
-        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
-        self.instances: list[Instance] = []
-        for i in range(instances):
-            pool = start_memory_pool(split.specs, memory, transport="local", device=device,
-                                     dtype=dtype, kv_cache_tokens=kv_cache_tokens,
-                                     slab_size=slab_size)
-            worker = LocalWorker(ReplicaWorker([ComputeReplica(split, device, Sampler())],
-                                               pool.clients))
-            lender = _Lender(self, i) if borrowing else None
-            engine = Engine(worker, pool.capacities, config, eos_token_ids, tokenizer,
-                            id_base=i * ID_STRIDE, lender=lender)
-            inst = Instance(i, engine, pool, memory, physical=list(pool.capacities))
-            if borrowing:
-                inst.rmanager = RManager(i, self.gmanager, lambda i=i: self._state(i))
-            self.instances.append(inst)
+            for inst in instances:
+                inst.scheduler.lender = _Lender(self, inst.inst_id)
+                inst.rmanager = RManager(inst.inst_id, self.gmanager,
+                                         lambda i=inst.inst_id: self._state(i))
         self.heartbeat()
+
+    @classmethod
+    def local(cls, split: SplitModel, instances: int = 2, memory: int = 1, *,
+              kv_cache_tokens: int, slab_size: int = 16, device: str = "cpu",
+              dtype: torch.dtype = torch.float32, perf=None, max_num_seqs: int = 64,
+              max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+              eos_token_ids: set[int] | None = None, tokenizer=None, **kwargs) -> "Deployment":
+        """``instances`` in this process (see :func:`local_instances`), ``memory`` nodes of
+        ``kv_cache_tokens`` slots each; ``perf="profile"`` measures the performance model now
+        (:func:`lamina.profiling.profile_perf`). Other keywords go to the constructor."""
+        if instances < 1:
+            raise ValueError(f"instances must be >= 1, got {instances}")
+        if perf == "profile" and kwargs.get("borrowing", True):
+            from lamina.profiling import profile_perf
+            perf = profile_perf(split, device, dtype)
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+        insts = local_instances(split, instances, memory, kv_cache_tokens=kv_cache_tokens,
+                                slab_size=slab_size, device=device, dtype=dtype, config=config,
+                                eos_token_ids=eos_token_ids, tokenizer=tokenizer)
+        return cls(insts, slab_size=slab_size, perf=perf, **kwargs)
 
     @classmethod
     def from_model(cls, model: str = "smollm2", dtype: torch.dtype | None = None,
                    device: str = "cpu", **kwargs) -> "Deployment":
-        """Load and split ``model`` (as :class:`lamina.LLM` does), then build the deployment."""
+        """Load and split ``model`` (as :class:`lamina.LLM` does), then :meth:`local`."""
         from lamina.api import _eos_ids
         from lamina.models import load_model
         from lamina.splitter import split_model
         loaded = load_model(model, dtype=dtype, device=device)
         cfg = getattr(loaded.model, "config", None)
         kwargs.setdefault("max_model_len", getattr(cfg, "max_position_embeddings", None))
-        return cls(split_model(loaded.model), device=device, dtype=loaded.dtype,
-                   eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer),
-                   tokenizer=loaded.tokenizer, **kwargs)
+        return cls.local(split_model(loaded.model), device=device, dtype=loaded.dtype,
+                         eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer),
+                         tokenizer=loaded.tokenizer, **kwargs)
 
-    # -- requests --------------------------------------------------------------------------------
+    # -- requests (the calls AsyncEngine makes of an engine) -------------------------------------
+    def _of(self, req_id: int) -> Instance:
+        return self.instances[req_id // ID_STRIDE]
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """Route to the least-loaded instance (fewest requests, then most free slots)."""
-        inst = min(self.instances, key=lambda x: (x.load(), -sum(x.scheduler.free), x.inst_id))
+        """Route to the least-loaded live instance (fewest requests, then most free slots)."""
+        live = [x for x in self.instances if x.failed is None]
+        if not live:
+            raise RuntimeError("every instance of this deployment has failed")
+        inst = min(live, key=lambda x: (x.load(), -sum(x.scheduler.free), x.inst_id))
         return inst.engine.add_request(prompt_ids, params)
 
     def has_work(self) -> bool:
-        return any(x.engine.has_work() for x in self.instances)
+        return any(x.engine.has_work() for x in self.instances if x.failed is None)
+
+    def abort(self, req: Request, error: Exception) -> None:
+        self._of(req.req_id).engine.abort(req, error)
+
+    def forget(self, req_id: int) -> None:
+        self._of(req_id).engine.forget(req_id)
+
+    def counts(self) -> tuple[int, int]:
+        running, waiting = zip(*(x.engine.counts() for x in self.instances))
+        return sum(running), sum(waiting)
+
+    def kv_slots(self) -> tuple[list[int], list[int]]:
+        """(used, capacity) of every instance's own nodes, instance by instance."""
+        used: list[int] = []
+        for x in self.instances:
+            used += [0] * x.own_nodes if x.failed else [c.stats().used_slots for c in x.pool.clients]
+        return used, [c for x in self.instances for c in x.physical]
 
     def step(self) -> StepOutput:
-        """One round: every instance with work runs one step; then loans nobody uses go back,
-        rManagers send heartbeats, and every ``plan_every`` rounds the gManager's moves run."""
+        """One round: every instance with work starts a step (Ray-placed replicas run them
+        at the same time); the moves the gManager planned (every ``plan_every`` rounds) copy
+        their KV meanwhile; the steps finish; the moves switch placement; idle loans go back
+        and the rManagers send heartbeats. An instance whose node or replica fails ends its
+        requests with that error and leaves the router; the others go on."""
         out = StepOutput()
-        for inst in self.instances:
-            if inst.engine.has_work():
-                o = inst.engine.step()
-                out.new_tokens.update(o.new_tokens)
-                out.finished.extend(o.finished)
+        active = [x for x in self.instances if x.failed is None and x.engine.has_work()]
+        for inst in active:
+            self._guard(inst, out, inst.engine.start_step)
+        moves: list[_Move] = []
+        if self.borrowing and self.plan_every and next(self._rounds) % self.plan_every == 0:
+            for cmd in self.gmanager.call("plan"):
+                m = self._begin_move(cmd)
+                if m is not None:
+                    moves.append(m)
+        for inst in active:
+            self._guard(inst, out, inst.engine.finish_step)
+        for m in moves:
+            self._end_move(m)
         if self.borrowing:
             self._reclaim()
             self.heartbeat()
-            if self.plan_every and next(self._rounds) % self.plan_every == 0:
-                for cmd in self.gmanager.call("plan"):
-                    self.move_kvcache(cmd)
         return out
+
+    def _guard(self, inst: Instance, out: StepOutput, fn) -> None:
+        if inst.failed is not None:
+            return
+        try:
+            fn(out)
+        except NodeFailure as e:
+            if all(x.failed is not None for x in self.instances if x is not inst):
+                raise  # nothing left to serve: the caller fails as a single engine would
+            self._fail(inst, e, out)
+
+    def _fail(self, inst: Instance, error: BaseException, out: StepOutput) -> None:
+        """Instance ``inst`` is broken: its requests end with ``error``, its loans are void."""
+        inst.failed = error
+        for req in list(inst.engine.requests.values()):
+            if not req.finished:
+                inst.scheduler.finish(req, "error")
+                req.error = RuntimeError(f"instance {inst.inst_id} failed: {error}")
+                out.finished.append(req)
+        for key in [k for k, ln in self.loans.items() if inst.inst_id in (ln.debtor, ln.creditor)]:
+            del self.loans[key]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
         """Run ``prompts`` (token ids) to completion; the finished requests in prompt order."""
@@ -174,7 +285,11 @@ class Deployment:
         return reqs
 
     def close(self) -> None:
-        for inst in self.instances:
+        """Stop the gManager, then every instance (in reverse order: the first launched may
+        own Ray)."""
+        if self.gmanager is not None:
+            self.gmanager.close()
+        for inst in reversed(self.instances):
             inst.pool.close()
 
     def __enter__(self) -> "Deployment":
@@ -221,17 +336,15 @@ class Deployment:
         for loan in self.loans.values():
             if (loan.debtor, loan.creditor, loan.creditor_node) == (debtor, creditor, cnode):
                 return loan
-        client = self.instances[creditor].pool.clients[cnode]
-        if not isinstance(client, InProcessNode):
-            raise NotImplementedError("borrowing needs in-process memory nodes")
-        borrowed = InProcessNode(client.node, f"instance {creditor} {client.name}")
-        index = self.instances[debtor].engine.attach(borrowed, 0)
-        loan = Loan(debtor, index, creditor, cnode, borrowed)
+        d = self.instances[debtor]
+        index = d.engine.attach(self.instances[creditor].share(cnode, d), 0)
+        loan = Loan(debtor, index, creditor, cnode)
         self.loans[(debtor, index)] = loan
         return loan
 
     def lend(self, loan: Loan, slots: int) -> None:
-        """Move ``slots`` free slots of the creditor's node into the debtor's loan."""
+        """Move ``slots`` free slots of the creditor's node into the debtor's loan (a negative
+        count gives them back)."""
         self.instances[loan.creditor].scheduler.resize(loan.creditor_node, -slots)
         self.instances[loan.debtor].scheduler.resize(loan.debtor_node, slots)
         loan.slots += slots
@@ -245,16 +358,14 @@ class Deployment:
             if idle < loan.slots:  # in use: keep a slab of headroom
                 idle = max(idle - self.slab, 0)
             if idle:
-                s.resize(loan.debtor_node, -idle)
-                self.instances[loan.creditor].scheduler.resize(loan.creditor_node, idle)
-                loan.slots -= idle
+                self.lend(loan, -idle)
 
     def borrow(self, debtor: int, req: Request, num_slots: int) -> bool:
         """Reactive borrowing of ``num_slots`` for ``req``, from as many creditors as it takes
         (see :class:`lamina.scheduler.Lender`); True if any slot was lent."""
         used = {sh.node for sh in req.shards}
         tail = req.shards[-1].node if req.shards else None
-        exclude: list[int] = []
+        exclude: list[int] = [x.inst_id for x in self.instances if x.failed is not None]
         got = 0
         while got < num_slots:
             res = self.gmanager.call("try_borrow", debtor, -(-(num_slots - got) // self.slab),
@@ -280,34 +391,62 @@ class Deployment:
 
     # -- proactive moves -------------------------------------------------------------------------
     def move_kvcache(self, cmd: MoveCommand) -> bool:
-        """Move ``cmd.num_slabs`` slabs of the oldest KV of ``cmd.req_id`` to ``cmd.dst``; False
-        (nothing moved) when the request is in flight, its first shard is not in its own pool,
-        or the gManager or creditor refuses."""
+        """Move ``cmd.num_slabs`` slabs of the oldest KV of ``cmd.req_id`` to ``cmd.dst`` now
+        (between rounds); False when nothing moved. :meth:`step` runs the same two halves
+        around the instances' steps, so the copy overlaps decoding."""
+        m = self._begin_move(cmd)
+        return m is not None and self._end_move(m)
+
+    def _begin_move(self, cmd: MoveCommand) -> _Move | None:
+        """Reserve at the destination (``try_move_kvcache``), EXPORT the oldest ``count``
+        positions of the request's first shard and IMPORT them on the creditor's node. The
+        request may be decoding meanwhile: only its tail grows, and these positions are
+        written (``< num_computed``) and never change. None (nothing reserved or copied) when
+        the request has no such prefix in its own pool, or the gManager or creditor refuses."""
         src = self.instances[cmd.src]
         req = src.engine.requests.get(cmd.req_id)
-        if req is None or req.finished or req.req_id in src.engine.busy() or not req.shards:
-            return False
+        if req is None or req.finished or not req.shards or self.instances[cmd.dst].failed:
+            return None
         first = req.shards[0]
-        count = min(cmd.num_slabs * self.slab, first.length - 1)
+        written = min(first.end, req.num_computed) - first.start
+        count = min(cmd.num_slabs * self.slab, first.length - 1, written)
         if first.node >= src.own_nodes or count < 1:
-            return False
+            return None
         res = self.gmanager.call("try_move_kvcache", cmd)
         if res is None:
-            return False
+            return None
         creditor = self.instances[cmd.dst]
         cnode = max(range(creditor.own_nodes), key=lambda n: creditor.scheduler.free[n])
         loan = self._loan(cmd.src, cmd.dst, cnode)
         if creditor.scheduler.free[cnode] < count or loan.debtor_node in {s.node for s in req.shards}:
             self.gmanager.call("abort", res.res_id)
-            return False
+            return None
         a = first.start
         chunk = src.pool.clients[first.node].export(req.req_id, a, a + count)
-        loan.client.import_kv(chunk)
-        self.lend(loan, count)
-        creditor.rmanager.ack(res.res_id)
-        # the data has landed: switch the placement, then free the source range
-        src.scheduler.move_prefix(req, loan.debtor_node, count)
-        src.pool.clients[first.node].free_range(req.req_id, a, a + count)
+        creditor.pool.clients[cnode].import_kv(chunk)
+        return _Move(cmd, res.res_id, req, first.node, a, count, loan)
+
+    def _end_move(self, m: _Move) -> bool:
+        """After the steps: the data has landed, so switch the placement and free the source
+        range; if the request finished, was preempted or changed shape meanwhile, drop the
+        copy instead. True if the move took effect."""
+        req, loan = m.req, m.loan
+        creditor = self.instances[loan.creditor]
+        first = req.shards[0] if req.shards else None
+        ok = (not req.finished and first is not None and first.node == m.node
+              and first.start == m.start and first.length > m.count
+              and loan.debtor_node not in {s.node for s in req.shards}
+              and creditor.scheduler.free[loan.creditor_node] >= m.count)
+        if not ok:
+            creditor.pool.clients[loan.creditor_node].free_range(req.req_id, m.start,
+                                                                 m.start + m.count)
+            self.gmanager.call("abort", m.res_id)
+            return False
+        self.lend(loan, m.count)
+        creditor.rmanager.ack(m.res_id)
+        src = self.instances[m.cmd.src]
+        src.scheduler.move_prefix(req, loan.debtor_node, m.count)
+        src.pool.clients[m.node].free_range(req.req_id, m.start, m.start + m.count)
         self.moves += 1
         return True
 

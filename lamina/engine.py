@@ -91,9 +91,19 @@ class Engine:
         slot (no pipelining) this is one iteration of the single batch. A worker error drops
         every micro-batch in flight and propagates."""
         out = StepOutput()
+        self.start_step(out)
+        self.finish_step(out)
+        return out
+
+    def start_step(self, out: StepOutput) -> None:
+        """The first half of :meth:`step`: schedule and submit (a remote worker runs the step
+        while the caller goes on, e.g. with other instances' steps)."""
         self._fill(out)
+
+    def finish_step(self, out: StepOutput) -> None:
+        """The second half of :meth:`step`: wait for a micro-batch and apply its tokens."""
         if not self._in_flight:
-            return out
+            return
         try:
             done = self.worker.wait()
         except BaseException:
@@ -102,7 +112,18 @@ class Engine:
             raise
         for slot, tokens in done:
             self._complete(self._in_flight.pop(slot), tokens, out)
-        return out
+
+    def forget(self, req_id: int) -> None:
+        """Drop a finished request from ``requests`` (its caller has read it)."""
+        self.requests.pop(req_id, None)
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def kv_slots(self) -> tuple[list[int], list[int]]:
+        """(used, capacity) KV slots of each of this engine's memory nodes (asks the nodes)."""
+        return [s.used_slots for s in self.worker.stats()], list(self.scheduler.capacity)
 
     def _fill(self, out: StepOutput) -> None:
         n = self.worker.micro_batches

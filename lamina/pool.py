@@ -44,15 +44,17 @@ class NodeClient(ABC):
     @abstractmethod
     def stats(self) -> NodeStats: ...
 
+    @abstractmethod
     def export(self, req_id: int, start: int, end: int) -> KVChunk:
         """EXPORT positions ``[start, end)`` of a request's shard (moving KV between pools)."""
-        raise NotImplementedError(f"{self.name}: moving KV needs an in-process memory node")
 
+    @abstractmethod
     def import_kv(self, chunk: KVChunk) -> None:
-        raise NotImplementedError(f"{self.name}: moving KV needs an in-process memory node")
+        """IMPORT a chunk as (or onto) the request's shard on this node."""
 
+    @abstractmethod
     def free_range(self, req_id: int, start: int, end: int) -> None:
-        raise NotImplementedError(f"{self.name}: moving KV needs an in-process memory node")
+        """Free positions ``[start, end)`` of a request (the source side of a KV move)."""
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

@@ -3,13 +3,15 @@
 
 The child owns a :class:`~lamina.memnode.MemoryNode` and answers one reply per request, in
 order: PREPARE/FREE/IMPORT/PING -> OK, ATTEND -> RESULT, STATS -> STATS, EXPORT -> KV,
-SHUTDOWN -> OK then exit. A failing request gets an ERROR reply (the node is unchanged: see
+SHUTDOWN -> OK then exit. FREE names either requests (all their KV) or one position range of
+one request (what a KV move leaves behind). A failing request gets an ERROR reply (the node is unchanged: see
 MemoryNode's all-or-nothing contract) and the loop goes on. The child exits when its parent
 dies (the channel notices the peer is gone), so it never outlives the engine.
 """
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from dataclasses import asdict
 from typing import Any, Callable
@@ -23,7 +25,7 @@ from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied
 from lamina.transport.shm import ShmChannel, ShmChannelSpec
 from lamina.transport.wire import Message, MsgKind
-from lamina.types import AttendMsg, AttendResult, AttentionSpec, NodeStats, PrepareMsg
+from lamina.types import AttendMsg, AttendResult, AttentionSpec, KVChunk, NodeStats, PrepareMsg
 
 START_TIMEOUT_S = 300.0
 REPLY_TIMEOUT_S = 600.0
@@ -39,7 +41,11 @@ def handle(node, msg: Message) -> Message:
             node.prepare(codec.from_message(msg))
             return codec.ok()
         if kind == MsgKind.FREE:
-            return codec.ok({"freed": node.free(codec.from_message(msg))})
+            what = codec.from_message(msg)
+            if isinstance(what, tuple):
+                node.free_range(*what)
+                return codec.ok()
+            return codec.ok({"freed": node.free(what)})
         if kind == MsgKind.STATS:
             return codec.to_message(node.stats())
         if kind == MsgKind.EXPORT:
@@ -77,9 +83,19 @@ def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: t
             "num_threads": num_threads}
 
 
-def serve_channel(node, ch) -> None:
-    """Answer a memory node's requests on ``ch`` until SHUTDOWN or until the peer is gone."""
-    serve_loop(ch, lambda msg: handle(node, msg))
+def serve_channel(node, ch, lock: threading.Lock | None = None) -> None:
+    """Answer a memory node's requests on ``ch`` until SHUTDOWN or until the peer is gone.
+    A node served on several channels at once (its own replica, a borrowing replica, the
+    deployment moving KV) passes one ``lock`` to all of them: one request at a time."""
+    if lock is None:
+        serve_loop(ch, lambda msg: handle(node, msg))
+        return
+
+    def locked(msg: Message) -> Message:
+        with lock:
+            return handle(node, msg)
+
+    serve_loop(ch, locked)
 
 
 def serve_loop(ch, handler: Callable[[Message], Message],
@@ -177,6 +193,15 @@ class RemoteNode(NodeClient):
 
     def stats(self) -> NodeStats:
         return codec.from_message(self._call(codec.stats_request()))
+
+    def export(self, req_id: int, start: int, end: int) -> KVChunk:
+        return codec.from_message(self._call(codec.export_request(req_id, start, end)))
+
+    def import_kv(self, chunk: KVChunk) -> None:
+        self._call(codec.to_message(chunk, MsgKind.IMPORT))
+
+    def free_range(self, req_id: int, start: int, end: int) -> None:
+        self._call(codec.free_range_request(req_id, start, end))
 
     def close(self) -> None:
         alive = self.process is None or self.process.is_alive()

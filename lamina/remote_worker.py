@@ -67,6 +67,26 @@ class RemoteWorker(WorkerClient):
     def execute(self, plan, routes, req_ids, params) -> list[int]:
         return parse_tokens(self._call(step_message(plan, routes, req_ids, params)))
 
+    def submit(self, slot, plan, routes, req_ids, params) -> None:
+        """Send the STEP and return at once (the replica runs it while this process does other
+        work, e.g. other instances' steps); ``wait`` receives its TOKENS."""
+        if slot != 0 or getattr(self, "_pending", None) is not None:
+            raise ValueError(f"this worker runs one micro-batch at a time (slot {slot})")
+        try:
+            self.ch.send(step_message(plan, routes, req_ids, params))
+        except (PeerDied, ChannelClosed, TimeoutError) as e:
+            raise NodeFailure(f"{self.name} is unreachable: {e}") from e
+        self._pending = plan.step_id
+
+    def wait(self) -> list[tuple[int, list[int]]]:
+        if getattr(self, "_pending", None) is None:
+            return []
+        self._pending = None
+        try:
+            return [(0, parse_tokens(codec.raise_if_error(self.ch.recv(REPLY_TIMEOUT_S))))]
+        except (PeerDied, ChannelClosed, TimeoutError) as e:
+            raise NodeFailure(f"{self.name} is unreachable: {e}") from e
+
     def free(self, req_ids: list[int], release: list[int]) -> None:
         self._call(Message(MsgKind.FREE, meta={"req_ids": list(req_ids),
                                                "release": list(release)}))

@@ -11,6 +11,7 @@ KV         ``to_message(KVChunk)``              ``KVChunk`` (EXPORT's answer; te
 IMPORT     ``to_message(KVChunk, MsgKind.IMPORT)``  ``KVChunk`` (payload to import)
 STATS      ``stats_request()`` / ``to_message(NodeStats)``  ``None`` (request) / ``NodeStats``
 FREE       ``free_request(req_ids)``            ``list[int]``
+FREE       ``free_range_request(req_id, a, b)``  ``(req_id, a, b)`` (one range of one request)
 EXPORT     ``export_request(req_id, start, end)``  ``(req_id, start, end)``
 ERROR      ``to_message(exception)``            the exception instance (see below)
 OK/PING/SHUTDOWN  ``ok(meta)``, ``ping()``, ``shutdown()``  the meta dict
@@ -33,6 +34,7 @@ from lamina.transport.wire import Message, MsgKind, WireError
 from lamina.types import AttendMsg, AttendResult, KVChunk, NodeStats, PrepareMsg, ShardWork
 
 __all__ = ["RemoteError", "register_error", "to_message", "from_message", "free_request",
+           "free_range_request",
            "export_request", "stats_request", "shutdown", "ping", "ok", "raise_if_error"]
 
 
@@ -120,6 +122,11 @@ def free_request(req_ids: list[int]) -> Message:
     return Message(MsgKind.FREE, meta={"req_ids": [int(r) for r in req_ids]})
 
 
+def free_range_request(req_id: int, start: int, end: int) -> Message:
+    """FREE of positions ``start .. end-1`` of ``req_id`` only (after its KV moved away)."""
+    return Message(MsgKind.FREE, meta={"req_id": req_id, "start": start, "end": end})
+
+
 def export_request(req_id: int, start: int, end: int) -> Message:
     """EXPORT: ask for positions ``start .. end-1`` of ``req_id`` (answered with KV)."""
     return Message(MsgKind.EXPORT, meta={"req_id": req_id, "start": start, "end": end})
@@ -194,6 +201,8 @@ def from_message(msg: Message) -> Any:
             shards[r] = (s, n)
         return NodeStats(*(_int(stats, f) for f in _STATS_FIELDS), shards=shards)
     if kind == MsgKind.FREE:
+        if "req_ids" not in meta and "req_id" in meta:
+            return (_int(meta, "req_id"), _int(meta, "start"), _int(meta, "end"))
         return list(_ints(meta.get("req_ids"), "FREE req_ids"))
     if kind == MsgKind.EXPORT:
         return (_int(meta, "req_id"), _int(meta, "start"), _int(meta, "end"))

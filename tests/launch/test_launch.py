@@ -4,16 +4,10 @@ forced to tcp, whose outputs must be identical. Shutdown leaves no process behin
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import openai
-import psutil
 import pytest
+from launch_harness import launched  # tests/launch is on sys.path (pytest rootdir mode)
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -21,46 +15,15 @@ PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(32)]
 RESULTS: dict[str, dict] = {}
 
 
-def _lamina_processes() -> set[int]:
-    """Live (non-zombie) processes of Ray or lamina on this host."""
-    found = set()
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["status"] != psutil.STATUS_ZOMBIE and (
-                "ray::" in cmd or "raylet" in cmd or "gcs_server" in cmd or "lamina launch" in cmd
-                or "ray/dashboard" in cmd or "ray/_private" in cmd or "ray/autoscaler" in cmd):
-            found.add(p.info["pid"])
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["auto", "tcp"])
 def server(request):
-    before = _lamina_processes()
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lamina.cli", "launch", "--model", "smollm2", "--compute", "1",
-         "--memory", "2", "--port", str(port), "--api-key", KEY, "--transport", request.param,
-         "--kv-cache-tokens", "512"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    ready = proc.stdout.readline()  # blocks until the readiness line (or exit)
-    assert ready.startswith("Lamina ready: http://127.0.0.1:"), ready
-    expect = "tcp/tcp,tcp" if request.param == "tcp" else "shm/shm,shm"
-    assert expect in ready, ready
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-    yield request.param, client, port
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "Lamina stopped" in out
-    deadline = time.time() + 30
-    while _lamina_processes() - before and time.time() < deadline:
-        time.sleep(0.5)
-    assert _lamina_processes() - before == set()  # shutdown leaves nothing behind
+    with launched("--model", "smollm2", "--compute", "1", "--memory", "2", "--api-key", KEY,
+                  "--transport", request.param, "--kv-cache-tokens", "512") as (port, ready):
+        expect = "tcp/tcp,tcp" if request.param == "tcp" else "shm/shm,shm"
+        assert expect in ready, ready
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY,
+                               max_retries=0)
+        yield request.param, client, port
 
 
 def _greedy(client, prompt, **kw):

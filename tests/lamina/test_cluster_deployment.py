@@ -1,0 +1,111 @@
+"""Ray-placed instances (``start_deployment``, what ``lamina launch --instances`` runs): every
+compute replica and memory node in a process of its own. A request longer than any pool
+borrows a creditor's node over the wire and matches HF; the gManager's moves copy KV between
+node processes while the instances decode and leave outputs unchanged; an instance whose
+memory node dies ends its own requests with a clear error while the other instance goes on."""
+import os
+import sys
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from lamina.borrowing import PerfModel  # noqa: E402
+from lamina.cluster import start_deployment  # noqa: E402
+from lamina.types import SamplingParams  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
+from hf_oracle import hf_greedy  # noqa: E402
+from tiny_models import tiny_folder, tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, resources={"lamina_compute": 4, "lamina_memory": 8},
+             include_dashboard=False, log_to_driver=False, configure_logging=False)
+    folder = tiny_folder("llama", tmp_path_factory.mktemp("llama"))
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    yield str(folder), model
+    ray.shutdown()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(7 * seed + 13 * j + 3) % 90 + 3 for j in range(n)]
+
+
+def _run(d, reqs):
+    while d.has_work():
+        d.step()
+    return reqs
+
+
+def _no_kv_left(d) -> None:
+    for inst in d.instances:
+        assert [c.stats().used_slots for c in inst.pool.clients] == [0] * inst.own_nodes
+        s = inst.scheduler
+        assert sum(s.capacity[:inst.own_nodes]) == sum(inst.physical)  # every loan came back
+
+
+def test_remote_borrowing_of_a_request_longer_than_any_pool(tiny):
+    folder, model = tiny
+    cap = 40
+    prompts = [_prompt(52, 1), _prompt(9, 2), _prompt(4, 3)]
+    want = hf_greedy(model, prompts, GREEDY.max_tokens)
+    d = start_deployment(folder, instances=2, memory=1, transport="shm", kv_cache_tokens=cap,
+                         slab_size=8)
+    try:
+        assert d.gmanager is not None and d.gmanager.remote  # the gManager is a Ray actor
+        reqs = _run(d, [d.add_request(p, GREEDY) for p in prompts])
+        assert [r.error for r in reqs] == [None, None, None]
+        assert [r.output_ids for r in reqs] == want
+        assert reqs[0].max_shards > 1 and d.loans  # its KV spanned two node processes
+        _no_kv_left(d)
+    finally:
+        d.close()
+
+
+def test_remote_moves_overlap_decoding_and_keep_output(tiny):
+    folder, model = tiny
+    perf = PerfModel([1, 8], [1e-3, 2e-3], [8, 64], [1e-5, 4e-5])
+    prompts = [_prompt(26, s) for s in range(4)]
+    want = hf_greedy(model, prompts, GREEDY.max_tokens)
+    d = start_deployment(folder, instances=2, memory=1, transport="tcp", kv_cache_tokens=96,
+                         slab_size=8, beta_thres=4, util_thres=0.5, perf=perf, plan_every=2)
+    try:
+        reqs = _run(d, [d.instances[0].engine.add_request(p, GREEDY) for p in prompts])
+        assert d.moves > 0
+        assert [r.output_ids for r in reqs] == want
+        _no_kv_left(d)
+    finally:
+        d.close()
+
+
+def test_a_dead_instance_fails_its_requests_and_the_other_goes_on(tiny):
+    folder, model = tiny
+    prompts = [_prompt(12, s) for s in range(4)]
+    want = hf_greedy(model, prompts, GREEDY.max_tokens)
+    d = start_deployment(folder, instances=2, memory=1, kv_cache_tokens=128, slab_size=8,
+                         borrowing=False)
+    try:
+        reqs = [d.add_request(p, GREEDY) for p in prompts]
+        assert {r.req_id // (1 << 40) for r in reqs} == {0, 1}  # the router used both
+        d.step()
+        ray.kill(d.instances[1].host.memory[0])
+        _run(d, reqs)
+        for r, w in zip(reqs, want):
+            if r.req_id // (1 << 40) == 1:
+                assert r.finish_reason == "error" and "instance 1 failed" in str(r.error)
+            else:
+                assert r.error is None and r.output_ids == w
+        later = d.add_request(prompts[0], GREEDY)  # routed to the live instance only
+        assert later.req_id // (1 << 40) == 0
+        assert _run(d, [later])[0].output_ids == want[0]
+    finally:
+        d.close()
