@@ -301,7 +301,8 @@ def start_deployment(model: str, *, instances: int = 1, compute: int = 1, memory
     ``plan_every`` the greedy placement runs on ``perf`` (a PerfModel, or ``"profile"``:
     measured on the first replica now). Closing the deployment stops every actor (and Ray, if this call started it)."""
     from lamina.borrowing import PerfModel
-    from lamina.deployment import ID_STRIDE, Deployment, Instance
+    from lamina.deployment import Deployment
+    from lamina.instance import ID_STRIDE, Instance
     from lamina.engine import Engine
     from lamina.nodes import MemoryPoolHandle
     from lamina.scheduler import SchedulerConfig
