@@ -13,10 +13,10 @@ then Lamina Fig. 12's shape from the simulator on analytical H100 + memory-devic
    with t_m and t_a from :func:`lamina.costmodel.layer_times`.
 
 Configurations measured: none; rotational n=2; rotational n=2 with each node's share of a layer
-sent as 2 mini-batches (communication-attention overlap).
-
-Replicas of one run live in one process; on this CPU they share the cores, so the measured
-configurations use one replica (two micro-batches alternate on it, as in Lamina with N = 1).
+sent as 2 mini-batches (communication-attention overlap), all on one replica in the engine's
+process (two micro-batches alternate on it, as in Lamina with N = 1); and rotational n=3 on
+N=2 compute replicas, each in its own process (nodes reply to the next replica, contexts move
+between the processes). On this CPU all processes share the same cores.
 
     python bench/pipeline.py                         # B = 16, 32 new tokens, 2 memory nodes
     python bench/pipeline.py --batch 8 --new-tokens 16
@@ -68,21 +68,24 @@ def stage_times(tl: Timeline, memory: int, tokens: int) -> StageTimes:
                         for g in groups.values()]), 0.0), tokens=tokens)
 
 
-def busy(tl: Timeline, memory: int) -> tuple[float, float]:
-    """(replica 0 busy fraction in slices/send/recv, mean memory-node busy fraction)."""
+def busy(tl: Timeline, memory: int, replicas: int = 1) -> tuple[float, float]:
+    """(mean replica busy fraction in slices/send/recv, mean memory-node busy fraction)."""
     work = ("slice", "send", "recv")
-    comp = tl.busy_fraction("compute", 0, work)
+    comp = sum(tl.busy_fraction("compute", r, work) for r in range(replicas)) / replicas
     mem = sum(tl.busy_fraction("memory", m) for m in range(memory)) / memory
     return comp, mem
 
 
 def measure(model: str, pipeline: str, n: int, prompts: list[list[int]], new_tokens: int,
-            memory: int, trace: Path | None = None, attn_parts: int = 1) -> dict:
-    """Generate for ``prompts`` (after a short warm-up) with a timeline; ``trace`` keeps it."""
+            memory: int, trace: Path | None = None, attn_parts: int = 1,
+            replicas: int = 1) -> dict:
+    """Generate for ``prompts`` (after a short warm-up) with a timeline; ``trace`` keeps it.
+    ``replicas > 1`` runs each compute replica in its own process."""
     with tempfile.TemporaryDirectory() as tmp:
         path = trace or Path(tmp) / "timeline.json"
-        with LLM(model, memory=memory, transport="shm", compute=1, micro_batches=n,
-                 pipeline=pipeline, attn_parts=attn_parts, trace=str(path)) as llm:
+        with LLM(model, memory=memory, transport="shm", compute=replicas, micro_batches=n,
+                 pipeline=pipeline, attn_parts=attn_parts, trace=str(path),
+                 compute_processes=replicas > 1) as llm:
             llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
             tl = llm.timeline
             tl.spans.clear()
@@ -91,16 +94,16 @@ def measure(model: str, pipeline: str, n: int, prompts: list[list[int]], new_tok
                                                         ignore_eos=True), use_tqdm=False)
             wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    comp, mem = busy(tl, memory)
+    comp, mem = busy(tl, memory, replicas)
     return {"pipeline": pipeline, "micro_batches": n, "attn_parts": attn_parts,
-            "batch": len(prompts),
+            "replicas": replicas, "batch": len(prompts),
             "throughput": tokens / wall, "wall_s": wall, "compute_util": comp,
             "memory_util": mem, "timeline": tl, "outputs": [o.outputs[0].token_ids for o in outs]}
 
 
 def predict(times: StageTimes, pipeline: str, n: int, layers: int, memory: int,
-            iterations: int, attn_parts: int = 1) -> dict:
-    r = simulate(SimConfig(pipeline, n, 1, memory, layers, times, iterations, attn_parts))
+            iterations: int, attn_parts: int = 1, replicas: int = 1) -> dict:
+    r = simulate(SimConfig(pipeline, n, replicas, memory, layers, times, iterations, attn_parts))
     return {"throughput": r.throughput, "compute_util": r.compute_util,
             "memory_util": r.memory_util, "token_latency_s": r.token_latency_s}
 
@@ -119,57 +122,70 @@ def main() -> None:
                for _ in range(args.batch)]
     layers = load_model(args.model).model.config.num_hidden_layers
     measured, predicted, own, calib = [], [], [], {}
-    configs = [("none", 1, 1), ("rotational", 2, 1), ("rotational", 2, 2)]
-    for pipeline, n, parts in tqdm(configs, desc="pipeline runs", unit="config"):
+    # (pipeline, micro-batches, attention parts, compute replicas: > 1 in processes)
+    configs = [("none", 1, 1, 1), ("rotational", 2, 1, 1), ("rotational", 2, 2, 1),
+               ("rotational", 3, 1, 2)]
+    for pipeline, n, parts, N in tqdm(configs, desc="pipeline runs", unit="config"):
         sub = prompts[:args.batch // n]
         if n not in calib:  # a `none` run on one micro-batch's worth of requests
             cal = measure(args.model, "none", 1, sub, args.new_tokens, args.memory)
             calib[n] = stage_times(cal["timeline"], args.memory, len(sub))
-        trace = (RESULTS / f"timeline_rotational{'' if parts == 1 else '_parts%d' % parts}.json"
-                 if pipeline == "rotational" else None)
-        m = measure(args.model, pipeline, n, prompts, args.new_tokens, args.memory, trace, parts)
+        name = "timeline_rotational" + ("" if parts == 1 else f"_parts{parts}") + \
+            ("" if N == 1 else f"_procs{N}")
+        trace = RESULTS / f"{name}.json" if pipeline == "rotational" else None
+        m = measure(args.model, pipeline, n, prompts, args.new_tokens, args.memory, trace, parts,
+                    N)
         measured.append(m)
         predicted.append(predict(calib[n], pipeline, n, layers, args.memory, args.new_tokens,
-                                 parts))
+                                 parts, N))
         # the same run's own stage times: checks the schedule model apart from contention
+        # (replica processes do not record send/receive latencies: no such check for them)
         own.append(predict(stage_times(m["timeline"], args.memory, len(sub)), pipeline, n,
-                           layers, args.memory, args.new_tokens, parts))
+                           layers, args.memory, args.new_tokens, parts) if N == 1 else None)
     assert all(m["outputs"] == measured[0]["outputs"] for m in measured), \
         "pipelining changed greedy outputs"
     f12 = fig12()
     rows = []
     for m, p, o in zip(measured, predicted, own):
-        rows.append({k: m[k] for k in ("pipeline", "micro_batches", "attn_parts", "batch",
-                                       "throughput", "compute_util", "memory_util")}
+        rows.append({k: m[k] for k in ("pipeline", "micro_batches", "attn_parts", "replicas",
+                                       "batch", "throughput", "compute_util", "memory_util")}
                     | {f"sim_{k}": p[k] for k in ("throughput", "compute_util", "memory_util")}
                     | {"throughput_rel_err": p["throughput"] / m["throughput"] - 1,
-                       "sim_own_throughput": o["throughput"],
-                       "sim_own_rel_err": o["throughput"] / m["throughput"] - 1})
+                       "sim_own_throughput": o["throughput"] if o else None,
+                       "sim_own_rel_err": o["throughput"] / m["throughput"] - 1 if o else None})
     out = {"command": "python bench/pipeline.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "measured_vs_simulated": rows,
         "calibration": {f"none-b{args.batch // n}": t.__dict__ for n, t in calib.items()},
         "fig12": f12,
         "rotational_speedup_measured": measured[1]["throughput"] / measured[0]["throughput"],
-        "rotational_parts2_speedup_measured": measured[2]["throughput"] / measured[0]["throughput"]}
+        "rotational_parts2_speedup_measured": measured[2]["throughput"] / measured[0]["throughput"],
+        "rotational_procs2_speedup_measured": measured[3]["throughput"] / measured[0]["throughput"]}
     (RESULTS / "pipeline_cpu.json").write_text(json.dumps(out, indent=1))
     md = [f"# Staggered pipelining\n\n`{out['command']}`\n",
-          "## Measured vs simulated (SmolLM2, 1 replica, memory nodes over shm)\n",
-          "Sim: stage times from a `none` run with one micro-batch's requests (a prediction). "
-          "Sim (own): from the measured run's own timeline (checks the schedule model alone).\n",
-          "| pipeline | n | attn parts | batch | tok/s | sim tok/s | rel err | sim (own) tok/s | "
+          "## Measured vs simulated (SmolLM2, memory nodes over shm)\n",
+          "N = 1: the replica runs in the engine's process. N = 2: each replica in its own "
+          "process (`compute_processes=True`); on this 2-core machine they share the cores "
+          "with the node processes, which the simulator (one device per replica) does not "
+          "model. Sim: stage times from a `none` run with one micro-batch's requests (a "
+          "prediction). Sim (own): from the measured run's own timeline (checks the schedule "
+          "model alone; N = 1 only).\n",
+          "| pipeline | N | n | attn parts | batch | tok/s | sim tok/s | rel err | sim (own) tok/s | "
           "rel err | compute util | sim | memory util | sim |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['pipeline']} | {r['micro_batches']} | {r['attn_parts']} | {r['batch']} | "
+        own_cells = (f"{r['sim_own_throughput']:.1f} | {r['sim_own_rel_err']:+.0%}"
+                     if r["sim_own_throughput"] is not None else "- | -")
+        md.append(f"| {r['pipeline']} | {r['replicas']} | {r['micro_batches']} | "
+                  f"{r['attn_parts']} | {r['batch']} | "
                   f"{r['throughput']:.1f} | {r['sim_throughput']:.1f} | "
-                  f"{r['throughput_rel_err']:+.0%} | {r['sim_own_throughput']:.1f} | "
-                  f"{r['sim_own_rel_err']:+.0%} | {r['compute_util']:.0%} | "
+                  f"{r['throughput_rel_err']:+.0%} | {own_cells} | {r['compute_util']:.0%} | "
                   f"{r['sim_compute_util']:.0%} | {r['memory_util']:.0%} | "
                   f"{r['sim_memory_util']:.0%} |")
     md.append(f"\nmeasured speed-up over none: rotational n=2 "
               f"{out['rotational_speedup_measured']:.2f}x, with 2 attention mini-batches "
-              f"{out['rotational_parts2_speedup_measured']:.2f}x\n")
+              f"{out['rotational_parts2_speedup_measured']:.2f}x, N=2 replica processes n=3 "
+              f"{out['rotational_procs2_speedup_measured']:.2f}x\n")
     title = (f"Simulator: Lamina Fig. 12 (LLaMA-13B, H100 + {f12[0]['memory_nodes']} x "
              f"Arc-A770, context 4096)")
     md += fig12_markdown(f12, title)

@@ -37,12 +37,13 @@ class ComputeReplica:
         values = {n: t.to(self.device, non_blocking=True) for n, t in values.items()}
         return self.split.advance(k, values)
 
-    def sample(self, logits: torch.Tensor, req_ids: list[int],
-               params: list[SamplingParams]) -> torch.Tensor:
-        """One token per row of ``logits[R, V]``: ``int64[R]`` on CPU."""
+    def sample(self, logits: torch.Tensor, req_ids: list[int], params: list[SamplingParams],
+               uniforms: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row of ``logits[R, V]``: ``int64[R]`` on CPU (``uniforms``: see
+        :meth:`Sampler.sample`)."""
         if logits.shape[0] == 0:
             return torch.empty(0, dtype=torch.long)
-        return self.sampler.sample(logits, req_ids, params)
+        return self.sampler.sample(logits, req_ids, params, uniforms)
 
     # -- a whole step, attention by callback ------------------------------------------------------
     @torch.inference_mode()

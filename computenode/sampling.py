@@ -206,9 +206,11 @@ class Sampler:
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, req_ids: Sequence[int],
-               params: Sequence[SamplingParams]) -> torch.Tensor:
+               params: Sequence[SamplingParams],
+               uniforms: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row: argmax for greedy rows, a draw from :func:`filtered_probs` with the
-        request's own generator for the others. Raises ``ValueError`` on mismatched lengths, a
+        request's own generator for the others (or with ``uniforms[R]`` from :meth:`draw`, when
+        given: then no generator is touched). Raises ``ValueError`` on mismatched lengths, a
         non-2-D or non-float ``logits``, or invalid parameters (checked before any generator
         is touched)."""
         if logits.dim() != 2 or not logits.is_floating_point():
@@ -235,7 +237,20 @@ class Sampler:
         sub = [params[i] for i in drawn]
         weights = filtered_probs(logits.index_select(0, ri), [p.temperature for p in sub],
                                  [p.top_k for p in sub], [p.top_p for p in sub], normalize=False)
-        u = torch.tensor([float(torch.rand(1, generator=self._generator(req_ids[i], params[i])))
-                          for i in drawn], dtype=torch.float32)
+        if uniforms is None:
+            uniforms = self.draw(req_ids, params)
+        elif uniforms.shape != (rows,):
+            raise ValueError(f"uniforms must have one value per row ({rows}), got "
+                             f"{tuple(uniforms.shape)}")
+        u = uniforms.to(torch.float32)[drawn]
         out.index_copy_(0, ri, _inverse_cdf(weights, u.to(dev)))
         return out.cpu()
+
+    def draw(self, req_ids: Sequence[int], params: Sequence[SamplingParams]) -> torch.Tensor:
+        """``float32[R]``: the uniform each non-greedy row consumes from its request's generator,
+        in row order (0 for greedy rows, which consume none). Drawing here and passing the result
+        to :meth:`sample` of another Sampler (a replica in another process) samples exactly as
+        this Sampler would."""
+        return torch.tensor([float(torch.rand(1, generator=self._generator(r, p)))
+                             if p.temperature != 0 else 0.0 for r, p in zip(req_ids, params)],
+                            dtype=torch.float32)

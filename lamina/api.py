@@ -46,8 +46,10 @@ class LLM:
     (``none``, ``fixed``, ``rotational``; defaults in :func:`lamina.pipeline.resolve_pipeline`:
     rotational with ``compute + 1`` micro-batches when ``compute > 1``); ``attn_parts`` splits each
     node's share of a layer into that many mini-batches (communication-attention overlap). The
-    compute replicas run
-    in this process on ``device`` and share its weights. ``trace``: write a Chrome/Perfetto
+    compute replicas run in this process on ``device`` and share its weights, or, with
+    ``compute_processes=True`` (needs ``transport="shm"``), each in its own process with its
+    own weights: memory nodes then reply to the replica that runs the next slice and contexts
+    move replica to replica (:mod:`lamina.replica_procs`). ``trace``: write a Chrome/Perfetto
     timeline JSON there on :meth:`close`.
     """
 
@@ -57,10 +59,14 @@ class LLM:
                  dtype: torch.dtype | None = None, transport: str = "local",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  slab_size: int = 256, micro_batches: int | None = None,
-                 pipeline: str | None = None, attn_parts: int = 1, trace: str | None = None):
+                 pipeline: str | None = None, attn_parts: int = 1, trace: str | None = None,
+                 compute_processes: bool = False):
         self.pipeline = resolve_pipeline(pipeline, micro_batches, compute, attn_parts)
         if memory < 1:
             raise ValueError(f"memory must be >= 1, got {memory}")
+        if compute_processes and transport != "shm":
+            raise ValueError("compute_processes=True needs transport='shm' (memory nodes in "
+                             "processes that the replicas reach directly)")
         loaded = load_model(model, dtype=dtype, device=device)
         self.tokenizer = loaded.tokenizer
         self.model_name = str(model)
@@ -71,12 +77,20 @@ class LLM:
             dtype=loaded.dtype, kv_cache_gb=kv_cache_gb, kv_cache_tokens=kv_cache_tokens,
             slab_size=slab_size)
         max_len = getattr(cfg, "max_position_embeddings", None)
-        sampler = Sampler()
-        replicas = [ComputeReplica(self.split, device, sampler) for _ in range(compute)]
         self.trace_path = trace
         self.timeline = Timeline() if trace else None
-        worker = LocalWorker(ReplicaWorker(replicas, self.pool.clients, self.pipeline,
-                                           self.timeline))
+        if compute_processes:
+            from lamina.replica_procs import ProcessReplicas
+            worker = ProcessReplicas(str(model), self.pool.clients, self.pipeline,
+                                     num_slices=len(self.split.slices), device=device,
+                                     dtype=str(loaded.dtype).removeprefix("torch."),
+                                     timeline=self.timeline)
+            self.pool.closers.append(worker.close)  # replicas stop before the nodes
+        else:
+            sampler = Sampler()
+            replicas = [ComputeReplica(self.split, device, sampler) for _ in range(compute)]
+            worker = LocalWorker(ReplicaWorker(replicas, self.pool.clients, self.pipeline,
+                                               self.timeline))
         self.engine = Engine(worker, self.pool.capacities,
                              SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len),
                              eos_token_ids=_eos_ids(loaded.model, self.tokenizer),

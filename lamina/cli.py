@@ -80,9 +80,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    """``--compute``, ``--micro-batches``, ``--pipeline``, ``--attn-parts``, ``--trace`` (see
-    lamina.pipeline); :func:`pipeline_kwargs` turns them into ``LLM`` arguments."""
-    p.add_argument("--compute", type=int, default=1, help="compute replicas (in this process)")
+    """``--compute``, ``--compute-processes``, ``--micro-batches``, ``--pipeline``,
+    ``--attn-parts``, ``--trace`` (see lamina.pipeline); :func:`pipeline_kwargs` turns them into ``LLM`` arguments."""
+    p.add_argument("--compute", type=int, default=1,
+                   help="compute replicas (in this process unless --compute-processes)")
+    p.add_argument("--compute-processes", action="store_true",
+                   help="run each compute replica in its own process (needs --transport shm): "
+                        "nodes reply to the next replica, contexts move between processes")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches in flight (default: 1; compute+1 when rotational)")
     p.add_argument("--pipeline", default=None, choices=["none", "fixed", "rotational"],
@@ -97,7 +101,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 def pipeline_kwargs(args: argparse.Namespace) -> dict:
     return dict(compute=args.compute, micro_batches=args.micro_batches, pipeline=args.pipeline,
-                attn_parts=args.attn_parts, trace=args.trace)
+                attn_parts=args.attn_parts, trace=args.trace,
+                compute_processes=args.compute_processes)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -244,9 +244,9 @@ def start_cluster(model: str, *, compute: int = 1, memory: int = 1, transport: s
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if compute != 1:
         raise ValueError("lamina launch runs one compute replica per instance with one "
-                         "micro-batch; several replicas and staggered pipelining (--compute N, "
-                         "--micro-batches n) run in one process for now: lamina generate, "
-                         "lamina bench or LLM(...)")
+                         "micro-batch; several replicas with staggered pipelining (--compute N, "
+                         "--micro-batches n, --compute-processes) run on one host through "
+                         "lamina generate, lamina bench or LLM(...)")
     started = ensure_ray(address, {"lamina_compute": compute, "lamina_memory": memory}, progress)
     actors: list[Any] = []
     try:

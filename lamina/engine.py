@@ -141,7 +141,7 @@ class Engine:
             self._free([r.req_id for r in preempted])
             if not segs:
                 return
-            mb = self._form(segs)
+            mb = self._form(segs, slot)
             sampled = [s for s in segs if s.sample]
             self.worker.submit(slot, mb.plan, mb.routes, [s.req.req_id for s in sampled],
                                [s.req.params for s in sampled])
@@ -168,7 +168,7 @@ class Engine:
             if error is not None:
                 self.abort(seg.req, error)
 
-    def _form(self, segs: list[ScheduledSegment]) -> MicroBatch:
+    def _form(self, segs: list[ScheduledSegment], slot: int = 0) -> MicroBatch:
         ids, pos, rows = [], [], []
         for s in segs:
             ids.extend(s.req.all_ids[s.start:s.start + s.num_tokens])
@@ -176,7 +176,7 @@ class Engine:
             if s.sample:
                 rows.append(len(ids) - 1)
         step_id = next(self._steps)
-        plan = StepPlan(step_id, 0, [Segment(s.req.req_id, s.start, s.num_tokens) for s in segs],
+        plan = StepPlan(step_id, slot, [Segment(s.req.req_id, s.start, s.num_tokens) for s in segs],
                         torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                         torch.tensor(rows, dtype=torch.long))
         return MicroBatch(plan, segs, build_routes(segs, len(ids)))

@@ -64,7 +64,66 @@ def serve(spec: ShmChannelSpec, config: dict[str, Any]) -> None:
     """Child process entry point: build the node from ``config`` and serve until SHUTDOWN."""
     torch.set_num_threads(int(config.get("num_threads", 1)))
     ch = ShmChannel.attach(spec)
-    serve_channel(build_node(config), ch)
+    NodeServer(build_node(config)).serve(ch)
+
+
+class NodeServer:
+    """A memory node served on its primary channel (the engine's) and on *peer* channels that
+    compute replicas in other processes open with OPEN (staggered pipelining, DESIGN.md §6).
+
+    On a peer channel, an ATTEND's reply (RESULT or ERROR) goes to the peer named by its
+    ``reply_to`` - the replica that runs the micro-batch's next slice - and every other reply
+    to the sender. One lock serialises the node and every send on a peer channel, so each
+    ring has one producer. A peer that goes away only closes its channel."""
+
+    def __init__(self, node, ring_bytes: int = 8 << 20):
+        self.node = node
+        self.ring_bytes = ring_bytes
+        self.lock = threading.Lock()
+        self.peers: dict[int, Any] = {}
+
+    def serve(self, ch) -> None:
+        serve_loop(ch, self._primary)
+
+    def _primary(self, msg: Message) -> Message:
+        if msg.kind == MsgKind.OPEN:
+            return self._open(msg)
+        with self.lock:
+            return handle(self.node, msg)
+
+    def _open(self, msg: Message) -> Message:
+        try:
+            peer = int(msg.meta["peer"])
+        except (KeyError, TypeError, ValueError):
+            return codec.to_message(ValueError(f"OPEN needs an int 'peer', got {msg.meta!r}"))
+        ch = ShmChannel.create(capacity=self.ring_bytes, spin_us=20.0)
+        with self.lock:
+            old = self.peers.pop(peer, None)
+            self.peers[peer] = ch
+        if old is not None:
+            old.close()
+        threading.Thread(target=self._serve_peer, args=(peer, ch), daemon=True).start()
+        return codec.ok({"endpoint": ch.spec.to_dict()})
+
+    def _serve_peer(self, peer: int, ch) -> None:
+        try:
+            while True:
+                msg = ch.recv()
+                with self.lock:
+                    to = self.peers.get(msg.reply_to) if msg.kind == MsgKind.ATTEND else ch
+                    if to is None:  # checked first: a rejected ATTEND changes nothing
+                        reply, to = codec.to_message(ValueError(
+                            f"ATTEND reply_to {msg.reply_to}: no such peer")), ch
+                    else:
+                        reply = handle(self.node, msg)
+                    to.send(reply)
+        except (PeerDied, ChannelClosed):
+            pass
+        finally:
+            with self.lock:
+                if self.peers.get(peer) is ch:
+                    del self.peers[peer]
+            ch.close()
 
 
 def build_node(config: dict[str, Any]):
@@ -186,10 +245,19 @@ class RemoteNode(NodeClient):
             raise RuntimeError(f"{self.name}: recv_attend with no ATTEND outstanding")
         return res
 
-    def free(self, req_ids: list[int]) -> None:
-        """FREE without waiting (an error surfaces at the next receive)."""
+    def free(self, req_ids: list[int], wait: bool = False) -> None:
+        """FREE without waiting (an error surfaces at the next receive), or, with ``wait``,
+        once the node has freed them (before other processes reuse the slots)."""
+        if wait:
+            self._call(codec.free_request(req_ids))
+            return
         self._send(codec.free_request(req_ids))
         self._owed.append("ok")
+
+    def open_peer(self, peer: int) -> dict:
+        """Have the node open a channel for peer ``peer`` (a compute replica in another process
+        that will attach it); returns the channel's endpoint."""
+        return self._call(Message(MsgKind.OPEN, meta={"peer": peer})).meta["endpoint"]
 
     def stats(self) -> NodeStats:
         return codec.from_message(self._call(codec.stats_request()))

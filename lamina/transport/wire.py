@@ -57,7 +57,7 @@ class WireError(ValueError):
 
 
 class MsgKind(IntEnum):
-    """Message kinds (u16 on the wire; values 13..65535 are free for new kinds)."""
+    """Message kinds (u16 on the wire; values 18..65535 are free for new kinds)."""
 
     PREPARE = 1
     ATTEND = 2
@@ -73,6 +73,9 @@ class MsgKind(IntEnum):
     PING = 12
     STEP = 13  # engine -> compute replica: one StepPlan with its routes (lamina.step_codec)
     TOKENS = 14  # compute replica -> engine: the step's sampled token ids
+    CONTEXT = 15  # compute replica -> next replica: a micro-batch's context (staggered pipelining)
+    OPEN = 16  # engine -> node/replica: open a channel for a peer; OK carries its endpoint
+    CONNECT = 17  # engine -> compute replica: attach the endpoints of its nodes and next replica
 
 
 _DTYPE_CODES: dict[torch.dtype, int] = {

@@ -219,6 +219,22 @@ def test_generator_is_consumed_once_per_draw():
     assert mixed == seq
 
 
+def test_uniforms_drawn_by_one_sampler_sample_the_same_in_another():
+    """The engine draws, a replica process samples: the same tokens as one Sampler alone, and
+    the replica's own generators stay untouched."""
+    logits = random_logits(15, 3, 50, seed=7)
+    params = [A, SamplingParams(temperature=0), SamplingParams(temperature=1.1, seed=3)]
+    alone, engine, replica = Sampler(seed=0), Sampler(seed=0), Sampler(seed=5)
+    for step in logits:
+        u = engine.draw([0, 1, 2], params)
+        assert u.dtype == torch.float32 and u[1] == 0  # greedy rows consume nothing
+        assert torch.equal(replica.sample(step, [0, 1, 2], params, uniforms=u),
+                           alone.sample(step, [0, 1, 2], params))
+    assert replica.num_requests == 0
+    with pytest.raises(ValueError, match="one value per row"):
+        replica.sample(logits[0], [0, 1, 2], params, uniforms=torch.zeros(2))
+
+
 # --------------------------------------------------------------------------------------------
 # Goodness of fit on fixed logits
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,307 @@
+"""A compute replica in its own process, one of ``N`` that run a micro-batch schedule together
+(staggered pipelining, DESIGN.md §3 and §6). The engine side is :mod:`lamina.replica_procs`.
+
+Channels of replica ``i`` (all shm, wire protocol, no pickle):
+
+* **control**, from the engine: PING, OPEN, CONNECT and SHUTDOWN get one reply each; a STEP (a
+  micro-batch's plan, routes and sampling uniforms, sent to every replica that runs one of its
+  slices) gets none: the replica that runs the last slice answers with TOKENS (or ERROR) for
+  that step, on its own control channel.
+* **nodes**: one channel to every memory node (opened by the node, attached here). Replica
+  ``replica_for(j, 0)`` sends micro-batch j's PREPARE; whoever runs slice k sends layer k's
+  ATTENDs with ``reply_to = replica_for(j, k+1)``, so the nodes' RESULTs arrive straight at the
+  replica that runs slice k+1.
+* **prev / next**: the context of a micro-batch moves to the next replica as a CONTEXT
+  message while its attention runs (``layer`` = the slice it feeds; meta: value names and
+  the number of ATTEND parts per node to wait for).
+
+Every inbound channel has a reader thread that puts messages into one inbox; the main thread
+takes them in order, files each under its step, and runs every slice whose context and
+attention results have arrived (oldest micro-batch first). A failing node or peer fails every
+micro-batch in flight with an ERROR to the engine; the replica keeps serving (the engine
+decides what happens next).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lamina.computenode.replica import ComputeReplica
+from lamina.pool import NodeFailure
+from lamina.routing import NodeRoute, attend_messages, join_results, merge_results
+from lamina.simulator import replica_for
+from lamina.splitter.slices import ATTN_OUT
+from lamina.step_codec import parse_step, step_uniforms, tokens_message
+from lamina.transport import codec
+from lamina.transport.base import ChannelClosed, PeerDied
+from lamina.transport.shm import ShmChannel
+from lamina.transport.wire import Message, MsgKind
+from lamina.types import AttendResult, PrepareMsg, SamplingParams, StepPlan
+
+codec.register_error(NodeFailure)
+RING_BYTES = 8 << 20
+READER_SPIN_US = 20.0
+
+
+@dataclass
+class ReplicaConfig:
+    """What a replica process needs besides its channels (plain data, sent at spawn)."""
+
+    model: str
+    device: str
+    dtype: str | None
+    index: int
+    replicas: int
+    schedule: str
+    attn_parts: int = 1
+    num_threads: int = 1
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch as one replica sees it. ``k`` is the next slice to run here once
+    ``values`` (its context) and layer ``k-1``'s results are in."""
+
+    plan: StepPlan
+    routes: list[NodeRoute]
+    req_ids: list[int]
+    params: list[SamplingParams]
+    uniforms: torch.Tensor | None
+    k: int = -1
+    values: dict[str, torch.Tensor] | None = None
+    parts: list[int] = field(default_factory=list)  # ATTEND parts per route for layer k-1
+    results: dict[int, list[list[AttendResult]]] = field(default_factory=dict)  # layer -> route
+
+
+def serve_replica(ctrl_spec: dict, config: dict[str, Any]) -> None:
+    """Child process entry point: load and split the model, then serve until SHUTDOWN. A model
+    that fails to load answers every control message with the error."""
+    cfg = ReplicaConfig(**config)
+    torch.set_num_threads(cfg.num_threads)
+    ctrl = ShmChannel.attach(ctrl_spec, spin_us=READER_SPIN_US)
+    try:
+        from lamina.models import load_model
+        from lamina.splitter import split_model
+        loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
+                            device=cfg.device)
+        replica = ComputeReplica(split_model(loaded.model), cfg.device)
+    except Exception as e:  # report it to the engine, which is waiting for a PING reply
+        from lamina.remote import serve_loop
+        serve_loop(ctrl, lambda msg: codec.to_message(e))
+        return
+    ReplicaServer(replica, cfg, ctrl).run()
+
+
+class ReplicaServer:
+    def __init__(self, replica: ComputeReplica, config: ReplicaConfig, ctrl):
+        self.replica = replica
+        self.cfg = config
+        self.ctrl = ctrl
+        self.num_slices = len(replica.split.slices)
+        self.nodes: list = []
+        self.next = None  # channel to replica index+1 (None: N == 1)
+        self.inbox: queue.Queue = queue.Queue()
+        self.mbs: dict[int, MicroBatch] = {}  # step id -> micro-batch (insertion = age)
+        self.slots: dict[int, int] = {}  # micro-batch slot -> its current step id
+        self.early: dict[int, list[tuple[Any, Message]]] = {}  # messages before their STEP
+        self.spans: list[list] = []  # timeline spans not yet sent to the engine
+        self.failure: Exception | None = None
+        self._reader("engine", ctrl)
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _reader(self, source: Any, ch) -> None:
+        def loop() -> None:
+            try:
+                while True:
+                    self.inbox.put((source, ch.recv()))
+            except BaseException as e:  # noqa: BLE001 - reported to the main loop
+                self.inbox.put((source, e))
+        threading.Thread(target=loop, daemon=True, name=f"reader-{source}").start()
+
+    def _target(self, mb: MicroBatch, k: int) -> int:
+        return replica_for(self.cfg.schedule, mb.plan.micro_batch, k, self.cfg.replicas)
+
+    def run(self) -> None:
+        try:
+            while True:
+                source, item = self.inbox.get()
+                if source == "engine":
+                    if isinstance(item, BaseException) or not self._control(item):
+                        return
+                elif isinstance(item, BaseException):
+                    self._fail(NodeFailure(f"compute replica {self.cfg.index}: "
+                                           f"{self._name(source)} is gone: {item}"))
+                else:
+                    self._file(source, item)
+                self._run_ready()
+        finally:
+            for ch in [*self.nodes, self.next, self.ctrl]:
+                if ch is not None:
+                    ch.close()
+
+    @staticmethod
+    def _name(source: Any) -> str:
+        return f"memory node {source[1]}" if isinstance(source, tuple) else f"{source} replica"
+
+    # -- control --------------------------------------------------------------------------------
+    def _control(self, msg: Message) -> bool:
+        """Handle one engine message; False after SHUTDOWN."""
+        try:
+            if msg.kind == MsgKind.STEP:
+                self._step(msg)
+                return True
+            if msg.kind == MsgKind.OPEN:  # a channel for the previous replica's contexts
+                ch = ShmChannel.create(capacity=RING_BYTES, spin_us=READER_SPIN_US)
+                self._reader("previous", ch)
+                self.ctrl.send(codec.ok({"endpoint": ch.spec.to_dict()}))
+                return True
+            if msg.kind == MsgKind.CONNECT:
+                for j, ep in enumerate(msg.meta["nodes"]):
+                    self.nodes.append(ShmChannel.attach(ep, spin_us=READER_SPIN_US))
+                    self._reader(("node", j), self.nodes[-1])
+                if msg.meta.get("next") is not None:
+                    self.next = ShmChannel.attach(msg.meta["next"])
+                self.ctrl.send(codec.ok())
+                return True
+            if msg.kind in (MsgKind.PING, MsgKind.SHUTDOWN):
+                self.ctrl.send(codec.ok({"pid": os.getpid()}))
+                return msg.kind == MsgKind.PING
+            raise ValueError(f"compute replica cannot handle a {msg.kind.name} message")
+        except (PeerDied, ChannelClosed):
+            return False
+        except Exception as e:
+            reply = codec.to_message(e)
+            reply.step_id = msg.step_id  # a bad STEP fails that step
+            self.ctrl.send(reply)
+            return True
+
+    def _step(self, msg: Message) -> None:
+        plan, routes, req_ids, params = parse_step(msg)
+        old = self.slots.get(plan.micro_batch)
+        if old is not None:  # the slot's previous iteration is over (its tokens were sent)
+            self.mbs.pop(old, None)
+        self.slots[plan.micro_batch] = plan.step_id
+        mb = MicroBatch(plan, routes, req_ids, params, step_uniforms(msg))
+        self.mbs[plan.step_id] = mb
+        if self.failure is not None:
+            self._error(mb, self.failure)
+            return
+        if self._target(mb, 0) == self.cfg.index:
+            for route in routes:
+                self.nodes[route.node].send(codec.to_message(PrepareMsg(plan.step_id, route.works)))
+            mb.values, mb.k = self.replica.begin(plan), 0
+        for source, early in self.early.pop(plan.step_id, []):
+            self._file(source, early)
+
+    # -- data -----------------------------------------------------------------------------------
+    def _file(self, source: Any, msg: Message) -> None:
+        mb = self.mbs.get(msg.step_id)
+        if msg.kind == MsgKind.OK:
+            return  # a PREPARE's reply
+        if msg.kind == MsgKind.ERROR:
+            error = codec.from_message(msg)
+            if mb is not None:
+                self._error(mb, error)
+            else:
+                self._fail(error)
+            return
+        if mb is None:  # arrived before the engine's STEP
+            self.early.setdefault(msg.step_id, []).append((source, msg))
+            return
+        if msg.kind == MsgKind.CONTEXT:
+            names = msg.meta["names"]
+            mb.values = dict(zip(names, msg.tensors))
+            mb.k, mb.parts = msg.layer, list(msg.meta["parts"])
+        elif msg.kind == MsgKind.RESULT:
+            route = next(i for i, r in enumerate(mb.routes) if r.node == source[1])
+            per_route = mb.results.setdefault(msg.layer, [[] for _ in mb.routes])
+            per_route[route].append(codec.from_message(msg))
+        else:
+            raise ValueError(f"unexpected {msg.kind.name} from {self._name(source)}")
+
+    def _ready(self, mb: MicroBatch) -> bool:
+        if mb.values is None or self._target(mb, mb.k) != self.cfg.index:
+            return False
+        if mb.k == 0:
+            return True
+        got = mb.results.get(mb.k - 1)
+        return got is not None and [len(p) for p in got] == mb.parts
+
+    def _run_ready(self) -> None:
+        progressed = True
+        while progressed:
+            progressed = False
+            for mb in list(self.mbs.values()):
+                if self._ready(mb):
+                    self._run_slice(mb)
+                    progressed = True
+
+    def _run_slice(self, mb: MicroBatch) -> None:
+        k, plan = mb.k, mb.plan
+        if k > 0:
+            results = mb.results.pop(k - 1)
+            for route, parts in zip(mb.routes, results):
+                for i, res in enumerate(parts):
+                    if res.span_ns:
+                        self._span("memory", route.node, f"attend {k - 1}" +
+                                   (f".{i}" if len(parts) > 1 else ""), *res.span_ns, mb)
+            mb.values[ATTN_OUT] = merge_results(
+                mb.routes, [join_results(p) for p in results], plan.num_tokens).contiguous()
+        t0 = time.perf_counter_ns()
+        try:
+            context, qkv, logits = self.replica.run_slice(k, mb.values)
+            if context is None:
+                tokens = self.replica.sample(logits, mb.req_ids, mb.params, mb.uniforms)
+        except Exception as e:
+            self._error(mb, e)
+            return
+        t1 = time.perf_counter_ns()
+        if context is None:
+            self._span("compute", self.cfg.index, f"slice {k} + sample", t0, t1, mb)
+            reply = tokens_message(plan.step_id, tokens.tolist())
+            reply.meta["spans"], self.spans = self.spans, []
+            self.ctrl.send(reply)
+            mb.values = None
+            return
+        nxt = self._target(mb, k + 1)
+        msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=nxt,
+                               parts=self.cfg.attn_parts)
+        for route, parts in zip(mb.routes, msgs):
+            for m in parts:
+                self.nodes[route.node].send(codec.to_message(m))
+        parts = [len(p) for p in msgs]
+        if nxt == self.cfg.index:
+            mb.values, mb.k, mb.parts = context, k + 1, parts
+        else:
+            names = list(context)
+            self.next.send(Message(MsgKind.CONTEXT, plan.step_id, k + 1,
+                                   meta={"names": names, "parts": parts},
+                                   tensors=[context[n].contiguous() for n in names]))
+            mb.values = None
+        t2 = time.perf_counter_ns()
+        self._span("compute", self.cfg.index, f"slice {k}", t0, t1, mb)
+        self._span("compute", self.cfg.index, "send", t1, t2, mb)
+
+    # -- failures and timeline --------------------------------------------------------------------
+    def _error(self, mb: MicroBatch, error: BaseException) -> None:
+        """End ``mb`` here with an ERROR to the engine (tagged with its step)."""
+        reply = codec.to_message(error)
+        reply.step_id = mb.plan.step_id
+        self.mbs.pop(mb.plan.step_id, None)
+        self.ctrl.send(reply)
+
+    def _fail(self, error: Exception) -> None:
+        """A node or peer is gone: fail every micro-batch in flight and every later one."""
+        self.failure = error
+        for mb in list(self.mbs.values()):
+            self._error(mb, error)
+
+    def _span(self, role: str, track: int, name: str, start: int, end: int,
+              mb: MicroBatch) -> None:
+        self.spans.append([role, track, name, start, end, mb.plan.micro_batch, mb.plan.step_id])

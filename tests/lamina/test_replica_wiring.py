@@ -1,0 +1,92 @@
+"""The wiring under compute replicas in processes, in one process: a memory node's peer
+channels (OPEN, ATTEND replies routed by ``reply_to``) and STEP messages carrying sampling
+uniforms."""
+import threading
+
+import pytest
+import torch
+
+from lamina.memnode import MemoryNode
+from lamina.remote import NodeServer, RemoteNode
+from lamina.routing import NodeRoute
+from lamina.step_codec import parse_step, step_message, step_uniforms
+from lamina.transport import codec
+from lamina.transport.shm import ShmChannel, shm_pair
+from lamina.transport.wire import MsgKind, WireError, decode, encode_bytes
+from lamina.types import AttendMsg, AttentionSpec, PrepareMsg, SamplingParams, Segment, ShardWork, StepPlan
+
+SPEC = AttentionSpec(layer=0, num_heads=2, num_kv_heads=1, head_dim=4, scale=0.5)
+
+
+def _qkv(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 2, 4, generator=g), torch.randn(n, 1, 4, generator=g),
+            torch.randn(n, 1, 4, generator=g))
+
+
+@pytest.fixture
+def served():
+    """A NodeServer on one end of a pair, in a thread; the engine's RemoteNode on the other."""
+    engine_end, node_end = shm_pair(capacity=1 << 16)
+    server = NodeServer(MemoryNode([SPEC], 64, slab_size=4), ring_bytes=1 << 16)
+    thread = threading.Thread(target=server.serve, args=(node_end,), daemon=True)
+    thread.start()
+    client = RemoteNode(engine_end, None, "memory node 0")
+    yield server, client
+    client.close()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_attend_replies_go_to_the_reply_to_peer(served):
+    server, client = served
+    peers = [ShmChannel.attach(client.open_peer(i)) for i in range(2)]
+    assert sorted(server.peers) == [0, 1]
+    works = [ShardWork(7, 0, 3, 0, 3)]
+    peers[0].send(codec.to_message(PrepareMsg(1, works)))
+    assert peers[0].recv(5).kind == MsgKind.OK  # other replies go back to the sender
+    q, k, v = _qkv(3, 0)
+    peers[0].send(codec.to_message(AttendMsg(1, 0, q, k, v, reply_to=1)))
+    res = codec.from_message(peers[1].recv(5))
+    ref = MemoryNode([SPEC], 64, slab_size=4)
+    ref.prepare(PrepareMsg(1, works))
+    want = ref.attend(AttendMsg(1, 0, q, k, v))
+    assert (res.step_id, res.layer) == (1, 0)
+    assert torch.equal(res.o, want.o) and torch.equal(res.lse, want.lse)
+
+    # an unknown reply_to is an ERROR to the sender and changes nothing: the step goes on
+    peers[0].send(codec.to_message(PrepareMsg(2, [ShardWork(7, 3, 1, 3, 1)])))
+    assert peers[0].recv(5).kind == MsgKind.OK
+    peers[0].send(codec.to_message(AttendMsg(2, 0, *_qkv(1, 1), reply_to=5)))
+    with pytest.raises(ValueError, match="reply_to 5: no such peer"):
+        codec.raise_if_error(peers[0].recv(5))
+    peers[1].send(codec.to_message(AttendMsg(2, 0, *_qkv(1, 1), reply_to=0)))
+    assert codec.from_message(peers[0].recv(5)).o.shape == (1, 2, 4)
+    # the engine's own channel still answers, and FREE with wait is done when it returns
+    assert client.stats().used_slots == 4
+    client.free([7], wait=True)
+    assert client.stats().used_slots == 0
+    # a peer that goes away is forgotten
+    peers[1].close()
+    for _ in range(100):
+        if 1 not in server.peers:
+            break
+        threading.Event().wait(0.05)
+    assert sorted(server.peers) == [0]
+    peers[0].close()
+
+
+def test_step_message_carries_uniforms_over_the_wire():
+    plan = StepPlan(4, 1, [Segment(9, 0, 2)], torch.tensor([5, 6]), torch.tensor([0, 1]),
+                    torch.tensor([1]))
+    route = NodeRoute(0, [ShardWork(9, 0, 2, 0, 2)], torch.arange(2), torch.arange(2), True)
+    params = [SamplingParams(temperature=0.7, seed=1)]
+    u = torch.tensor([0.25])
+    msg = decode(encode_bytes(step_message(plan, [route], [9], params, u)))
+    got_plan, routes, req_ids, got_params = parse_step(msg)
+    assert (got_plan.step_id, got_plan.micro_batch, req_ids, got_params) == (4, 1, [9], params)
+    assert torch.equal(step_uniforms(msg), u)
+    assert step_uniforms(decode(encode_bytes(step_message(plan, [route], [9], params)))) is None
+    bad = step_message(plan, [route], [9], params, torch.tensor([0.1, 0.2]))
+    with pytest.raises(WireError, match="one value per sample row"):
+        step_uniforms(bad)
