@@ -61,6 +61,7 @@ class ReplicaConfig:
     schedule: str
     attn_parts: int = 1
     num_threads: int = 1
+    trace: bool = False  # record timeline spans and send them with TOKENS
 
 
 @dataclass
@@ -98,6 +99,10 @@ def serve_replica(ctrl_spec: dict, config: dict[str, Any]) -> None:
     ReplicaServer(replica, cfg, ctrl).run()
 
 
+class _Failed(Exception):
+    """A send failed; :meth:`ReplicaServer._fail` has already reported it."""
+
+
 class ReplicaServer:
     def __init__(self, replica: ComputeReplica, config: ReplicaConfig, ctrl):
         self.replica = replica
@@ -110,6 +115,7 @@ class ReplicaServer:
         self.mbs: dict[int, MicroBatch] = {}  # step id -> micro-batch (insertion = age)
         self.slots: dict[int, int] = {}  # micro-batch slot -> its current step id
         self.early: dict[int, list[tuple[Any, Message]]] = {}  # messages before their STEP
+        self.last_step = -1  # newest STEP seen (the engine sends them in step id order)
         self.spans: list[list] = []  # timeline spans not yet sent to the engine
         self.failure: Exception | None = None
         self._reader("engine", ctrl)
@@ -154,7 +160,15 @@ class ReplicaServer:
         """Handle one engine message; False after SHUTDOWN."""
         try:
             if msg.kind == MsgKind.STEP:
-                self._step(msg)
+                try:
+                    self._step(msg)
+                except _Failed:
+                    pass
+                return True
+            if msg.kind == MsgKind.RESET:  # the engine dropped every micro-batch in flight
+                self.mbs.clear()
+                self.slots.clear()
+                self.early.clear()
                 return True
             if msg.kind == MsgKind.OPEN:  # a channel for the previous replica's contexts
                 ch = ShmChannel.create(capacity=RING_BYTES, spin_us=READER_SPIN_US)
@@ -173,8 +187,11 @@ class ReplicaServer:
                 self.ctrl.send(codec.ok({"pid": os.getpid()}))
                 return msg.kind == MsgKind.PING
             raise ValueError(f"compute replica cannot handle a {msg.kind.name} message")
-        except (PeerDied, ChannelClosed):
-            return False
+        except (PeerDied, ChannelClosed) as e:
+            if isinstance(e, PeerDied) or self.ctrl.closed:
+                return False  # the engine is gone
+            self._fail(NodeFailure(f"compute replica {self.cfg.index}: a channel closed: {e}"))
+            return True
         except Exception as e:
             reply = codec.to_message(e)
             reply.step_id = msg.step_id  # a bad STEP fails that step
@@ -187,6 +204,7 @@ class ReplicaServer:
         if old is not None:  # the slot's previous iteration is over (its tokens were sent)
             self.mbs.pop(old, None)
         self.slots[plan.micro_batch] = plan.step_id
+        self.last_step = max(self.last_step, plan.step_id)
         mb = MicroBatch(plan, routes, req_ids, params, step_uniforms(msg))
         self.mbs[plan.step_id] = mb
         if self.failure is not None:
@@ -194,36 +212,49 @@ class ReplicaServer:
             return
         if self._target(mb, 0) == self.cfg.index:
             for route in routes:
-                self.nodes[route.node].send(codec.to_message(PrepareMsg(plan.step_id, route.works)))
+                self._send(("node", route.node),
+                           codec.to_message(PrepareMsg(plan.step_id, route.works)))
             mb.values, mb.k = self.replica.begin(plan), 0
         for source, early in self.early.pop(plan.step_id, []):
             self._file(source, early)
 
     # -- data -----------------------------------------------------------------------------------
+    def _send(self, dest: Any, msg: Message) -> None:
+        """Send to a node (``("node", j)``) or the next replica; a channel that is gone fails
+        every micro-batch (the replica keeps serving the engine)."""
+        ch = self.nodes[dest[1]] if isinstance(dest, tuple) else self.next
+        try:
+            ch.send(msg)
+        except (PeerDied, ChannelClosed) as e:
+            self._fail(NodeFailure(f"compute replica {self.cfg.index}: {self._name(dest)} is "
+                                   f"gone: {e}"))
+            raise _Failed from e
+
     def _file(self, source: Any, msg: Message) -> None:
         mb = self.mbs.get(msg.step_id)
         if msg.kind == MsgKind.OK:
             return  # a PREPARE's reply
+        if mb is None:
+            if msg.step_id > self.last_step and msg.kind != MsgKind.ERROR:
+                self.early.setdefault(msg.step_id, []).append((source, msg))  # before its STEP
+            return  # else: for a step that already ended here (an error, a reset): stale
         if msg.kind == MsgKind.ERROR:
-            error = codec.from_message(msg)
-            if mb is not None:
-                self._error(mb, error)
-            else:
-                self._fail(error)
-            return
-        if mb is None:  # arrived before the engine's STEP
-            self.early.setdefault(msg.step_id, []).append((source, msg))
+            self._error(mb, codec.from_message(msg))
             return
         if msg.kind == MsgKind.CONTEXT:
             names = msg.meta["names"]
             mb.values = dict(zip(names, msg.tensors))
             mb.k, mb.parts = msg.layer, list(msg.meta["parts"])
-        elif msg.kind == MsgKind.RESULT:
-            route = next(i for i, r in enumerate(mb.routes) if r.node == source[1])
+        elif msg.kind == MsgKind.RESULT and isinstance(source, tuple):
+            route = next((i for i, r in enumerate(mb.routes) if r.node == source[1]), None)
+            if route is None:
+                self._error(mb, ValueError(f"RESULT from {self._name(source)}, which has no "
+                                           f"part of step {msg.step_id}"))
+                return
             per_route = mb.results.setdefault(msg.layer, [[] for _ in mb.routes])
             per_route[route].append(codec.from_message(msg))
         else:
-            raise ValueError(f"unexpected {msg.kind.name} from {self._name(source)}")
+            self._error(mb, ValueError(f"unexpected {msg.kind.name} from {self._name(source)}"))
 
     def _ready(self, mb: MicroBatch) -> bool:
         if mb.values is None or self._target(mb, mb.k) != self.cfg.index:
@@ -239,7 +270,10 @@ class ReplicaServer:
             progressed = False
             for mb in list(self.mbs.values()):
                 if self._ready(mb):
-                    self._run_slice(mb)
+                    try:
+                        self._run_slice(mb)
+                    except _Failed:
+                        return
                     progressed = True
 
     def _run_slice(self, mb: MicroBatch) -> None:
@@ -274,15 +308,15 @@ class ReplicaServer:
                                parts=self.cfg.attn_parts)
         for route, parts in zip(mb.routes, msgs):
             for m in parts:
-                self.nodes[route.node].send(codec.to_message(m))
+                self._send(("node", route.node), codec.to_message(m))
         parts = [len(p) for p in msgs]
         if nxt == self.cfg.index:
             mb.values, mb.k, mb.parts = context, k + 1, parts
         else:
             names = list(context)
-            self.next.send(Message(MsgKind.CONTEXT, plan.step_id, k + 1,
-                                   meta={"names": names, "parts": parts},
-                                   tensors=[context[n].contiguous() for n in names]))
+            self._send("next", Message(MsgKind.CONTEXT, plan.step_id, k + 1,
+                                       meta={"names": names, "parts": parts},
+                                       tensors=[context[n].contiguous() for n in names]))
             mb.values = None
         t2 = time.perf_counter_ns()
         self._span("compute", self.cfg.index, f"slice {k}", t0, t1, mb)
@@ -304,4 +338,5 @@ class ReplicaServer:
 
     def _span(self, role: str, track: int, name: str, start: int, end: int,
               mb: MicroBatch) -> None:
-        self.spans.append([role, track, name, start, end, mb.plan.micro_batch, mb.plan.step_id])
+        if self.cfg.trace:
+            self.spans.append([role, track, name, start, end, mb.plan.micro_batch, mb.plan.step_id])

@@ -27,6 +27,7 @@ from lamina.transport.shm import ShmChannel, ShmChannelSpec
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, AttendResult, AttentionSpec, KVChunk, NodeStats, PrepareMsg
 
+codec.register_error(NodeFailure)
 START_TIMEOUT_S = 300.0
 REPLY_TIMEOUT_S = 600.0
 
@@ -57,7 +58,14 @@ def handle(node, msg: Message) -> Message:
             return codec.ok({"pid": os.getpid()})
         raise ValueError(f"memory node cannot handle a {kind.name} message")
     except Exception as e:  # every failure is the caller's to see, never a crash
-        return codec.to_message(e)
+        return _error_reply(e, msg)
+
+
+def _error_reply(e: BaseException, msg: Message) -> Message:
+    """ERROR for ``msg``, tagged with its step and layer (a replica files it under that step)."""
+    reply = codec.to_message(e)
+    reply.step_id, reply.layer = msg.step_id, msg.layer
+    return reply
 
 
 def serve(spec: ShmChannelSpec, config: dict[str, Any]) -> None:
@@ -112,11 +120,19 @@ class NodeServer:
                 with self.lock:
                     to = self.peers.get(msg.reply_to) if msg.kind == MsgKind.ATTEND else ch
                     if to is None:  # checked first: a rejected ATTEND changes nothing
-                        reply, to = codec.to_message(ValueError(
-                            f"ATTEND reply_to {msg.reply_to}: no such peer")), ch
-                    else:
-                        reply = handle(self.node, msg)
-                    to.send(reply)
+                        ch.send(_error_reply(ValueError(
+                            f"ATTEND reply_to {msg.reply_to}: no such peer"), msg))
+                        continue
+                    reply = handle(self.node, msg)
+                    try:
+                        to.send(reply)
+                    except (PeerDied, ChannelClosed) as e:
+                        if to is ch:
+                            raise
+                        # the next replica is gone: forget it, tell the sender, go on
+                        self.peers.pop(msg.reply_to, None)
+                        ch.send(_error_reply(NodeFailure(
+                            f"compute replica {msg.reply_to} is gone: {e}"), msg))
         except (PeerDied, ChannelClosed):
             pass
         finally:

@@ -61,6 +61,7 @@ class ProcessReplicas(WorkerClient):
         self.inbox: queue.Queue = queue.Queue()
         self.pending: dict[int, int] = {}  # step id -> slot
         self.max_in_flight = 0  # most micro-batches in flight at once so far
+        self.dead: dict[int, NodeFailure] = {}  # replicas found gone (their reader ended)
         self._times = WorkerTimes()
         self.channels: list[ShmChannel] = []
         self.procs = []
@@ -68,7 +69,7 @@ class ProcessReplicas(WorkerClient):
         try:
             for i in range(config.replicas):
                 cfg = ReplicaConfig(model, device, dtype, i, config.replicas, config.schedule,
-                                    config.attn_parts, num_threads)
+                                    config.attn_parts, num_threads, timeline is not None)
                 ch = ShmChannel.create(capacity=RING_BYTES)
                 proc = launcher.start(serve_replica, (ch.spec.to_dict(), asdict(cfg)),
                                       name=f"lamina-compute-{i}")
@@ -127,6 +128,8 @@ class ProcessReplicas(WorkerClient):
         if plan.micro_batch != slot:
             raise ValueError(f"plan of micro-batch {plan.micro_batch} submitted to slot {slot}")
         msg = step_message(plan, routes, req_ids, params, self.sampler.draw(req_ids, params))
+        if self.dead:
+            raise next(iter(self.dead.values()))
         n = self.config.replicas
         runs = {replica_for(self.config.schedule, slot, k, n) for k in range(self.num_slices)}
         for i in sorted(runs):
@@ -141,14 +144,17 @@ class ProcessReplicas(WorkerClient):
         """The next micro-batch to finish: ``[(slot, tokens)]``. A replica's ERROR for a step
         in flight (or a replica that died) raises; answers for steps no longer in flight (a
         duplicate error, a step dropped by :meth:`reset`) are skipped."""
+        start = time.perf_counter()
         while self.pending:
-            start = time.perf_counter()
+            if self.dead:
+                raise next(iter(self.dead.values()))
             try:
                 i, msg = self.inbox.get(timeout=REPLY_TIMEOUT_S)
             except queue.Empty:
                 raise NodeFailure(f"no compute replica answered in {REPLY_TIMEOUT_S:.0f} s") from None
             if isinstance(msg, BaseException):
-                raise self._dead(i, msg)
+                self.dead[i] = self._dead(i, msg)
+                continue
             if msg.step_id not in self.pending:
                 continue
             slot = self.pending.pop(msg.step_id)
@@ -160,7 +166,16 @@ class ProcessReplicas(WorkerClient):
         return []
 
     def reset(self) -> None:
+        """Forget the micro-batches in flight, here and on every replica (RESET; the replicas
+        then drop late messages of those steps). Their steps stay prepared on the memory nodes,
+        as after a reset of the in-process executor."""
         self.pending.clear()
+        for i, ch in enumerate(self.channels):
+            if i not in self.dead:
+                try:
+                    ch.send(Message(MsgKind.RESET))
+                except (PeerDied, ChannelClosed, TimeoutError) as e:
+                    self.dead[i] = self._dead(i, e)
 
     def times(self) -> WorkerTimes:
         """``steps`` finished micro-batches; ``wait_s`` the engine's time blocked on them (the

@@ -57,7 +57,7 @@ class WireError(ValueError):
 
 
 class MsgKind(IntEnum):
-    """Message kinds (u16 on the wire; values 18..65535 are free for new kinds)."""
+    """Message kinds (u16 on the wire; values 19..65535 are free for new kinds)."""
 
     PREPARE = 1
     ATTEND = 2
@@ -76,6 +76,7 @@ class MsgKind(IntEnum):
     CONTEXT = 15  # compute replica -> next replica: a micro-batch's context (staggered pipelining)
     OPEN = 16  # engine -> node/replica: open a channel for a peer; OK carries its endpoint
     CONNECT = 17  # engine -> compute replica: attach the endpoints of its nodes and next replica
+    RESET = 18  # engine -> compute replica: drop every micro-batch in flight (after an error)
 
 
 _DTYPE_CODES: dict[torch.dtype, int] = {

@@ -58,14 +58,20 @@ def test_attend_replies_go_to_the_reply_to_peer(served):
     peers[0].send(codec.to_message(PrepareMsg(2, [ShardWork(7, 3, 1, 3, 1)])))
     assert peers[0].recv(5).kind == MsgKind.OK
     peers[0].send(codec.to_message(AttendMsg(2, 0, *_qkv(1, 1), reply_to=5)))
+    error = peers[0].recv(5)
+    assert (error.kind, error.step_id) == (MsgKind.ERROR, 2)  # filed under its step
     with pytest.raises(ValueError, match="reply_to 5: no such peer"):
-        codec.raise_if_error(peers[0].recv(5))
+        codec.raise_if_error(error)
     peers[1].send(codec.to_message(AttendMsg(2, 0, *_qkv(1, 1), reply_to=0)))
     assert codec.from_message(peers[0].recv(5)).o.shape == (1, 2, 4)
     # the engine's own channel still answers, and FREE with wait is done when it returns
     assert client.stats().used_slots == 4
     client.free([7], wait=True)
     assert client.stats().used_slots == 0
+    # a node error names its step and layer too
+    peers[0].send(codec.to_message(AttendMsg(99, 3, *_qkv(1, 1), reply_to=0)))
+    error = peers[0].recv(5)
+    assert (error.kind, error.step_id, error.layer) == (MsgKind.ERROR, 99, 3)
     # a peer that goes away is forgotten
     peers[1].close()
     for _ in range(100):
