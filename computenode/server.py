@@ -93,10 +93,12 @@ def serve_replica(ctrl_spec: dict, config: dict[str, Any]) -> None:
                             device=cfg.device)
         replica = ComputeReplica(split_model(loaded.model), cfg.device)
     except Exception as e:  # report it to the engine, which is waiting for a PING reply
-        from lamina.remote import serve_loop
-        serve_loop(ctrl, lambda msg: codec.to_message(e))
+        error = e
+    else:
+        ReplicaServer(replica, cfg, ctrl).run()
         return
-    ReplicaServer(replica, cfg, ctrl).run()
+    from lamina.remote import serve_loop
+    serve_loop(ctrl, lambda msg: codec.to_message(error))
 
 
 class _Failed(Exception):
@@ -108,7 +110,6 @@ class ReplicaServer:
         self.replica = replica
         self.cfg = config
         self.ctrl = ctrl
-        self.num_slices = len(replica.split.slices)
         self.nodes: list = []
         self.next = None  # channel to replica index+1 (None: N == 1)
         self.inbox: queue.Queue = queue.Queue()

@@ -6,8 +6,7 @@ import pytest
 from lamina import LLM, SamplingParams
 from lamina.models import load_model
 
-from hf_oracle import hf_greedy
-from tiny_models import tiny_folder, tiny_model
+from hf_oracle import hf_greedy, tiny_case
 
 MAX_NEW = 10
 PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
@@ -35,10 +34,7 @@ IDS = [f"{p}-N{c}-n{n}-{m['transport']}{'-tight' if 'kv_cache_tokens' in m else 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def tiny(request, tmp_path_factory):
-    folder = tiny_folder(request.param, tmp_path_factory.mktemp(request.param))
-    model = tiny_model(request.param)
-    model.generation_config.eos_token_id = None
-    return folder, hf_greedy(model, PROMPTS, MAX_NEW)
+    return tiny_case(request.param, tmp_path_factory, PROMPTS, MAX_NEW)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)

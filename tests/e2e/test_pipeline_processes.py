@@ -12,8 +12,7 @@ from lamina import LLM, SamplingParams
 from lamina.models import load_model
 from lamina.pool import NodeFailure
 
-from hf_oracle import hf_greedy
-from tiny_models import tiny_folder, tiny_model
+from hf_oracle import hf_greedy, tiny_case
 
 MAX_NEW = 10
 PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
@@ -36,10 +35,7 @@ def _children() -> set[int]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tiny_folder("llama", tmp_path_factory.mktemp("llama"))
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    return folder, hf_greedy(model, PROMPTS, MAX_NEW)
+    return tiny_case("llama", tmp_path_factory, PROMPTS, MAX_NEW)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
