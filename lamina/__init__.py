@@ -4,6 +4,9 @@ The sub-packages ``lamina.splitter``, ``lamina.memnode``, ``lamina.computenode``
 ``lamina.kernels`` live in top-level folders of the repository and are mapped under ``lamina``
 by ``pyproject.toml``. When the code runs from a source checkout without installation, the
 repository root is appended to this package's search path so the same imports resolve.
+
+Importing ``lamina`` sets ``OMP_WAIT_POLICY=PASSIVE`` unless an OpenMP wait policy is set
+already (why, and when it takes effect: :mod:`lamina.omp`).
 """
 from __future__ import annotations
 
@@ -14,6 +17,10 @@ if _os.path.isdir(_os.path.join(_root, "splitter")) and _root not in __path__:
     __path__.append(_root)  # source checkout: lamina.kernels -> <root>/kernels, ...
 
 __version__ = "0.1.0"
+
+from lamina.omp import set_passive_wait as _set_passive_wait  # noqa: E402  (before torch)
+
+_set_passive_wait()
 
 
 def __getattr__(name: str):

@@ -188,7 +188,9 @@ def run_grid_cell(llm, cell: GridCell, system: str, capacity: int) -> GridPoint:
                      dt / len(decode))
 
 
-def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, int64 ``[B, longest prompt]``: each prompt on the right,
+    ``pad_id`` on the left, mask 1 on prompt tokens (as HF decoder-only generation expects)."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -201,7 +203,7 @@ def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, t
 def hf_generate_time(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
     """Seconds for HF ``generate`` (greedy, KV cache, left-padded batch) to produce exactly
     ``new_tokens`` tokens for every prompt."""
-    ids, mask = _left_padded(prompts, pad_id)
+    ids, mask = left_padded(prompts, pad_id)
     ids, mask = ids.to(model.device), mask.to(model.device)
     t = time.perf_counter()
     with torch.inference_mode():

@@ -142,7 +142,7 @@ class Engine:
             if not segs:
                 return
             mb = self._form(segs, slot)
-            sampled = [s for s in segs if s.sample]
+            sampled = [s for s in mb.segs if s.sample]
             self.worker.submit(slot, mb.plan, mb.routes, [s.req.req_id for s in sampled],
                                [s.req.params for s in sampled])
             self._in_flight[slot] = mb
@@ -169,6 +169,10 @@ class Engine:
                 self.abort(seg.req, error)
 
     def _form(self, segs: list[ScheduledSegment], slot: int = 0) -> MicroBatch:
+        """The micro-batch of ``segs``, ordered by the nodes holding each request (stable), so
+        that each node's rows are one run of the step's rows and ATTEND/RESULT need no gather."""
+        segs = sorted(segs, key=lambda s: (s.req.shards[0].node, s.req.shards[-1].node)
+                      if s.req.shards else (-1, -1))
         ids, pos, rows = [], [], []
         for s in segs:
             ids.extend(s.req.all_ids[s.start:s.start + s.num_tokens])

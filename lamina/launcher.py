@@ -10,6 +10,8 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any, Callable, Protocol
 
+from lamina.omp import warn_if_spinning
+
 
 class ProcessHandle(Protocol):
     pid: int | None
@@ -34,6 +36,7 @@ class MultiprocessingLauncher:
         self.ctx = multiprocessing.get_context("spawn")
 
     def start(self, target: Callable[..., Any], args: tuple, name: str) -> ProcessHandle:
+        warn_if_spinning()
         p = self.ctx.Process(target=target, args=args, name=name, daemon=True)
         p.start()
         return p

@@ -11,7 +11,7 @@ the first while later ones are still arriving (communication-attention overlap, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,22 @@ class NodeRoute:
     q_rows: torch.Tensor  # int64 (CPU) rows of the step's flattened tokens, in works order
     kv_rows: torch.Tensor  # int64 (CPU) rows whose k/v the node appends, in works order
     identity: bool = False  # q_rows == kv_rows == arange(T): send tensors as they are
+    span: tuple[int, int] | None = field(init=False, default=None)  # (a, b): both rows == a..b-1
+
+    def __post_init__(self) -> None:
+        n = self.q_rows.numel()
+        if n and n == self.kv_rows.numel():
+            a = int(self.q_rows[0])
+            run = torch.arange(a, a + n)
+            if torch.equal(self.q_rows, run) and torch.equal(self.kv_rows, run):
+                self.span = (a, a + n)
+
+    def rows(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """This node's rows of step tensor ``t`` (``kv``: its appended rows): a view when the
+        rows are one run (:attr:`span`), else a gather."""
+        if self.span is not None:
+            return t[self.span[0]:self.span[1]]
+        return t[self.kv_rows if kv else self.q_rows]
 
     def split(self, parts: int) -> list[tuple[int, int]]:
         """At most ``parts`` non-empty runs ``[a, b)`` of works covering them all, with about
@@ -84,7 +100,7 @@ def attend_messages(step_id: int, layer: int, routes: list[NodeRoute], q: torch.
         if r.identity and parts <= 1:
             out.append([AttendMsg(step_id, layer, q, k, v, reply_to)])
             continue
-        qr, kr, vr = q[r.q_rows], k[r.kv_rows], v[r.kv_rows]
+        qr, kr, vr = r.rows(q), r.rows(k, kv=True), r.rows(v, kv=True)
         runs = r.split(parts)
         if len(runs) == 1:
             out.append([AttendMsg(step_id, layer, qr, kr, vr, reply_to)])
@@ -110,6 +126,10 @@ def merge_results(routes: list[NodeRoute], results, num_tokens: int) -> torch.Te
     """Assemble ``o[T,H,D]`` from per-node ``AttendResult``s (same order as ``routes``)."""
     if len(routes) == 1 and routes[0].identity:
         return results[0].o
+    spans = [r.span for r in routes]
+    if all(spans) and spans[0][0] == 0 and spans[-1][1] == num_tokens \
+            and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):  # the nodes tile the rows
+        return torch.cat([res.o for res in results])
     first = results[0].o
     o = first.new_zeros((num_tokens,) + tuple(first.shape[1:]))
     lse = torch.full((num_tokens, first.shape[1]), float("-inf"), device=first.device)

@@ -42,3 +42,23 @@ def test_greedy_matches_hf(tiny, setup):
             assert max(req.max_shards for req, _, _ in llm._last) == 2
         for c in llm.pool.clients:
             assert c.stats().used_slots == 0  # everything freed
+
+
+def test_each_node_gets_one_run_of_rows(tiny):
+    """The engine orders a micro-batch by node, so with single-node requests every node's
+    rows are one run (ATTEND sends views, RESULTs are concatenated, no gather or merge)."""
+    folder, want = tiny
+    with LLM(str(folder), memory=3, transport="local") as llm:
+        submitted = []
+        submit = llm.engine.worker.submit
+
+        def spy(slot, plan, routes, req_ids, params):
+            submitted.append(routes)
+            return submit(slot, plan, routes, req_ids, params)
+
+        llm.engine.worker.submit = spy
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+    assert any(len(routes) == 3 for routes in submitted)
+    assert all(r.span is not None for routes in submitted for r in routes)

@@ -1,8 +1,10 @@
-"""NodeRoute.split and mini-batch ATTEND messages (communication-attention overlap)."""
+"""NodeRoute.split, row runs, mini-batch ATTEND messages (communication-attention overlap) and
+the merge of node results."""
 import pytest
 import torch
 
-from lamina.routing import NodeRoute, attend_messages, join_results
+from lamina.kernels import merge_states
+from lamina.routing import NodeRoute, attend_messages, join_results, merge_results
 from lamina.types import AttendResult, ShardWork
 
 
@@ -45,3 +47,52 @@ def test_mini_batch_messages_carry_their_rows_and_join_back():
     joined = join_results(results)
     assert torch.equal(joined.o, q * 2) and torch.equal(joined.lse, q[..., 0])
     assert joined.span_ns == (0, 15)
+
+
+def _rows(*rs: range) -> torch.Tensor:
+    return torch.tensor([i for r in rs for i in r], dtype=torch.long)
+
+
+def test_span_only_for_one_run_of_equal_q_and_kv_rows():
+    w = [ShardWork(0, 0, 3, 0, 3)]
+    assert NodeRoute(0, w, _rows(range(4, 7)), _rows(range(4, 7))).span == (4, 7)
+    gap = _rows(range(0, 2), range(3, 4))
+    assert NodeRoute(0, w, gap, gap).span is None
+    assert NodeRoute(0, w, _rows(range(4, 7)), _rows(range(5, 7))).span is None  # kv differs
+    assert NodeRoute(0, [], _rows(), _rows()).span is None
+
+
+def test_span_routes_send_views_and_gather_routes_copies():
+    T = 6
+    q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
+    works = [ShardWork(0, 0, 3, 0, 3)]
+    run = NodeRoute(1, works, _rows(range(3, 6)), _rows(range(3, 6)))
+    gather = NodeRoute(0, works, _rows([0, 2, 4]), _rows([0, 2, 4]))
+    [[m_run], [m_gather]] = attend_messages(1, 0, [run, gather], q, k, v)
+    assert m_run.q.data_ptr() == q[3].data_ptr() and torch.equal(m_run.k, k[3:6])
+    assert torch.equal(m_gather.q, q[[0, 2, 4]]) and torch.equal(m_gather.v, v[[0, 2, 4]])
+
+
+def _result(o: torch.Tensor, lse: torch.Tensor) -> AttendResult:
+    return AttendResult(0, 0, o, lse)
+
+
+def test_merge_of_tiling_runs_is_their_concatenation():
+    o = torch.randn(5, 2, 4)
+    lse = torch.randn(5, 2)
+    routes = [NodeRoute(0, [], _rows(range(0, 2)), _rows(range(0, 2))),
+              NodeRoute(1, [], _rows(range(2, 5)), _rows(range(2, 5)))]
+    merged = merge_results(routes, [_result(o[:2], lse[:2]), _result(o[2:], lse[2:])], 5)
+    assert torch.equal(merged, o)
+
+
+def test_merge_of_overlapping_rows_is_the_lse_merge():
+    """A request whose KV spans both nodes: its row goes to both and is merged by LSE."""
+    o0, o1 = torch.randn(3, 2, 4), torch.randn(2, 2, 4)
+    l0, l1 = torch.randn(3, 2), torch.randn(2, 2)
+    routes = [NodeRoute(0, [], _rows(range(0, 3)), _rows(range(0, 3))),
+              NodeRoute(1, [], _rows(range(2, 4)), _rows(range(3, 4)))]
+    merged = merge_results(routes, [_result(o0, l0), _result(o1, l1)], 4)
+    both, _ = merge_states([o0[2:3], o1[:1]], [l0[2:3], l1[:1]])
+    assert torch.equal(merged[:2], o0[:2]) and torch.equal(merged[3], o1[1])
+    assert torch.allclose(merged[2], both[0])
