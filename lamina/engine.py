@@ -183,7 +183,7 @@ class Engine:
         plan = StepPlan(step_id, slot, [Segment(s.req.req_id, s.start, s.num_tokens) for s in segs],
                         torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                         torch.tensor(rows, dtype=torch.long))
-        return MicroBatch(plan, segs, build_routes(segs, len(ids)))
+        return MicroBatch(plan, segs, build_routes(segs))
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

@@ -28,7 +28,6 @@ class NodeRoute:
     works: list[ShardWork]
     q_rows: torch.Tensor  # int64 (CPU) rows of the step's flattened tokens, in works order
     kv_rows: torch.Tensor  # int64 (CPU) rows whose k/v the node appends, in works order
-    identity: bool = False  # q_rows == kv_rows == arange(T): send tensors as they are
     span: tuple[int, int] | None = field(init=False, default=None)  # (a, b): both rows == a..b-1
 
     def __post_init__(self) -> None:
@@ -41,7 +40,9 @@ class NodeRoute:
 
     def rows(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
         """This node's rows of step tensor ``t`` (``kv``: its appended rows): a view when the
-        rows are one run (:attr:`span`), else a gather."""
+        rows are one run (:attr:`span`; ``t`` itself when that is all of ``t``), else a gather."""
+        if self.span == (0, t.shape[0]):
+            return t
         if self.span is not None:
             return t[self.span[0]:self.span[1]]
         return t[self.kv_rows if kv else self.q_rows]
@@ -65,7 +66,7 @@ class NodeRoute:
         return list(zip(cuts, cuts[1:] + [R]))
 
 
-def build_routes(segs: list[ScheduledSegment], num_tokens: int) -> list[NodeRoute]:
+def build_routes(segs: list[ScheduledSegment]) -> list[NodeRoute]:
     works: dict[int, list[ShardWork]] = {}
     q_rows: dict[int, list[range]] = {}
     kv_rows: dict[int, list[range]] = {}
@@ -85,9 +86,8 @@ def build_routes(segs: list[ScheduledSegment], num_tokens: int) -> list[NodeRout
     for node in sorted(works):
         q = [i for r in q_rows[node] for i in r]
         kv = [i for r in kv_rows[node] for i in r]
-        ident = q == kv == list(range(num_tokens))
         routes.append(NodeRoute(node, works[node], torch.tensor(q, dtype=torch.long),
-                                torch.tensor(kv, dtype=torch.long), ident))
+                                torch.tensor(kv, dtype=torch.long)))
     return routes
 
 
@@ -97,9 +97,6 @@ def attend_messages(step_id: int, layer: int, routes: list[NodeRoute], q: torch.
     """Per route, its ATTEND for the layer: one message, or its mini-batches in works order."""
     out = []
     for r in routes:
-        if r.identity and parts <= 1:
-            out.append([AttendMsg(step_id, layer, q, k, v, reply_to)])
-            continue
         qr, kr, vr = r.rows(q), r.rows(k, kv=True), r.rows(v, kv=True)
         runs = r.split(parts)
         if len(runs) == 1:
@@ -124,12 +121,10 @@ def join_results(results: list[AttendResult]) -> AttendResult:
 
 def merge_results(routes: list[NodeRoute], results, num_tokens: int) -> torch.Tensor:
     """Assemble ``o[T,H,D]`` from per-node ``AttendResult``s (same order as ``routes``)."""
-    if len(routes) == 1 and routes[0].identity:
-        return results[0].o
     spans = [r.span for r in routes]
     if all(spans) and spans[0][0] == 0 and spans[-1][1] == num_tokens \
             and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):  # the nodes tile the rows
-        return torch.cat([res.o for res in results])
+        return results[0].o if len(results) == 1 else torch.cat([res.o for res in results])
     first = results[0].o
     o = first.new_zeros((num_tokens,) + tuple(first.shape[1:]))
     lse = torch.full((num_tokens, first.shape[1]), float("-inf"), device=first.device)

@@ -2,8 +2,9 @@
 sample) and TOKENS (the sampled ids), on the same wire protocol as the memory nodes.
 
 STEP tensors: ``token_ids``, ``positions``, ``sample_rows``, then per route ``q_rows`` and
-``kv_rows`` (all int64), then optionally the sampling ``uniforms`` (float32). Meta: step id, micro-batch, segments, routes (node, works, identity),
-request ids and their SamplingParams as plain JSON.
+``kv_rows`` (all int64), then optionally the sampling ``uniforms`` (float32). Meta: step id,
+micro-batch, segments, routes (node, works), request ids and their SamplingParams as plain
+JSON.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def step_message(plan: StepPlan, routes: list[NodeRoute], req_ids: list[int],
     the replica that samples then uses them instead of its own generators."""
     meta = {"micro_batch": plan.micro_batch, "uniforms": uniforms is not None,
             "segments": [[s.req_id, s.start_pos, s.num_tokens] for s in plan.segments],
-            "routes": [{"node": r.node, "identity": r.identity,
+            "routes": [{"node": r.node,
                         "works": [[w.req_id, w.q_start, w.num_q, w.append_start, w.num_append]
                                   for w in r.works]} for r in routes],
             "req_ids": list(req_ids), "params": [asdict(p) for p in params]}
@@ -43,7 +44,7 @@ def parse_step(msg: Message) -> tuple[StepPlan, list[NodeRoute], list[int], list
         plan = StepPlan(msg.step_id, int(m["micro_batch"]),
                         [Segment(*map(int, s)) for s in m["segments"]], t[0], t[1], t[2])
         routes = [NodeRoute(int(r["node"]), [ShardWork(*map(int, w)) for w in r["works"]],
-                            t[3 + 2 * i], t[4 + 2 * i], bool(r["identity"]))
+                            t[3 + 2 * i], t[4 + 2 * i])
                   for i, r in enumerate(routes_meta)]
         params = [SamplingParams(**p) for p in m["params"]]  # validates every field
         req_ids = [int(r) for r in m["req_ids"]]

@@ -85,7 +85,7 @@ def test_attend_replies_go_to_the_reply_to_peer(served):
 def test_step_message_carries_uniforms_over_the_wire():
     plan = StepPlan(4, 1, [Segment(9, 0, 2)], torch.tensor([5, 6]), torch.tensor([0, 1]),
                     torch.tensor([1]))
-    route = NodeRoute(0, [ShardWork(9, 0, 2, 0, 2)], torch.arange(2), torch.arange(2), True)
+    route = NodeRoute(0, [ShardWork(9, 0, 2, 0, 2)], torch.arange(2), torch.arange(2))
     params = [SamplingParams(temperature=0.7, seed=1)]
     u = torch.tensor([0.25])
     msg = decode(encode_bytes(step_message(plan, [route], [9], params, u)))

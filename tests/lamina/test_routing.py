@@ -8,10 +8,10 @@ from lamina.routing import NodeRoute, attend_messages, join_results, merge_resul
 from lamina.types import AttendResult, ShardWork
 
 
-def _route(num_q: list[int], identity: bool = False) -> NodeRoute:
+def _route(num_q: list[int]) -> NodeRoute:
     works = [ShardWork(i, 0, n, 0, n) for i, n in enumerate(num_q)]
     rows = torch.arange(sum(num_q))
-    return NodeRoute(0, works, rows, rows, identity)
+    return NodeRoute(0, works, rows, rows)
 
 
 @pytest.mark.parametrize("num_q, parts, want", [
@@ -32,7 +32,7 @@ def test_split_covers_every_work_once(num_q, parts, want):
 
 def test_mini_batch_messages_carry_their_rows_and_join_back():
     num_q = [2, 1, 3, 1]
-    route = _route(num_q, identity=True)
+    route = _route(num_q)  # all T rows: sent as they are
     T = sum(num_q)
     q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
     [whole] = attend_messages(5, 3, [route], q, k, v, reply_to=1)
