@@ -24,12 +24,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from lamina.deployment import Deployment
+from lamina.deployment.deployment import Deployment
 from lamina.models import load_model
-from lamina.profiling import profile_perf
+from lamina.deployment.profiling import profile_perf
 from lamina.splitter import split_model
 from lamina.types import SamplingParams
-from lamina.workloads import synthetic_trace
+from lamina.benchmark.workloads import synthetic_trace
 
 RESULTS = Path(__file__).parent / "results"
 

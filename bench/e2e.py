@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from lamina import LLM  # before torch: lamina sets the OpenMP wait policy (lamina/__init__.py)
-from lamina.bench_steps import HFStepper, LaminaStepper
+from lamina.benchmark.steps import HFStepper, LaminaStepper
 from lamina.models import load_model
 
 import torch

@@ -6,11 +6,11 @@ then Lamina Fig. 12's shape from the simulator on analytical H100 + memory-devic
    LM-head extra, one layer's attention per node, the send and receive latencies.
 2. Measure each configuration with B requests (SmolLM2, memory nodes as processes over shm):
    throughput and busy fractions of the replica and the memory nodes, from its timeline.
-3. Predict the same configuration with :func:`lamina.simulator.simulate` from step 1's times,
+3. Predict the same configuration with :func:`lamina.costmodel.simulator.simulate` from step 1's times,
    and report the relative error.
 4. Fig. 12 (bench/pipeline_sim.py): for batch sizes 8..1024, ``none`` (n=1) against
    ``rotational`` (n=2) on one H100, and ``fixed`` (n=2) against ``rotational`` (n=3) on two,
-   with t_m and t_a from :func:`lamina.costmodel.layer_times`.
+   with t_m and t_a from :func:`lamina.costmodel.model.layer_times`.
 
 Configurations measured: none; rotational n=2; rotational n=2 with each node's share of a layer
 sent as 2 mini-batches (communication-attention overlap), all on one replica in the engine's
@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from lamina import LLM, SamplingParams
 from lamina.models import load_model
-from lamina.simulator import SimConfig, StageTimes, simulate
+from lamina.costmodel.simulator import SimConfig, StageTimes, simulate
 from lamina.timeline import Timeline
 from pipeline_sim import RESULTS, fig12, fig12_markdown, plot_fig12
 

@@ -4,7 +4,7 @@ number of memory nodes: predicted throughput, per-token latency and device utili
 Stage times come either from measurements (``--slice-ms``, ``--attn-ms``, ...: e.g. read off a
 ``--trace`` timeline, as bench/pipeline.py does) or from the analytical model
 (``--model/--compute-device/--memory-device/--batch/--context``:
-:func:`lamina.costmodel.layer_times`, for hardware we do not have). ``--fig12`` sweeps batch
+:func:`lamina.costmodel.model.layer_times`, for hardware we do not have). ``--fig12`` sweeps batch
 sizes for Lamina Fig. 12's comparison.
 
     python bench/pipeline_sim.py --slice-ms 2 --attn-ms 3 --send-ms 0.2 --recv-ms 0.2 \\
@@ -20,9 +20,9 @@ import json
 import math
 from pathlib import Path
 
-from lamina.costmodel import PRESETS, layer_times
-from lamina.hardware import load_catalog
-from lamina.simulator import SCHEDULES, SimConfig, SimResult, StageTimes, simulate
+from lamina.costmodel.model import PRESETS, layer_times
+from lamina.costmodel.hardware import load_catalog
+from lamina.costmodel.simulator import SCHEDULES, SimConfig, SimResult, StageTimes, simulate
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -139,7 +139,7 @@ def main() -> None:
     m.add_argument("--head-ms", type=float, default=0.0)
     m.add_argument("--layers", type=int)
     m.add_argument("--tokens", type=int, default=1, help="tokens one iteration produces")
-    h = ap.add_argument_group("analytical stage times (lamina.costmodel)")
+    h = ap.add_argument_group("analytical stage times (lamina.costmodel.model)")
     h.add_argument("--model", help=f"one of {', '.join(PRESETS)}")
     h.add_argument("--compute-device", default="H100")
     h.add_argument("--memory-device", default="Arc-A770")

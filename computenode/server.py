@@ -1,16 +1,18 @@
 """A compute replica in its own process, one of ``N`` that run a micro-batch schedule together
-(staggered pipelining, DESIGN.md §3 and §6). The engine side is :mod:`lamina.replica_procs`.
+(staggered pipelining, DESIGN.md §3 and §6); the same code under every placement (a process of
+its own, a Ray actor). The engine side is :class:`lamina.instance.procs.RemoteReplicas`.
 
-Channels of replica ``i`` (all shm, wire protocol, no pickle):
+Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no pickle):
 
 * **control**, from the engine: PING, OPEN, CONNECT and SHUTDOWN get one reply each; a STEP (a
   micro-batch's plan, routes and sampling uniforms, sent to every replica that runs one of its
   slices) gets none: the replica that runs the last slice answers with TOKENS (or ERROR) for
   that step, on its own control channel.
-* **nodes**: one channel to every memory node (opened by the node, attached here). Replica
-  ``replica_for(j, 0)`` sends micro-batch j's PREPARE; whoever runs slice k sends layer k's
-  ATTENDs with ``reply_to = replica_for(j, k+1)``, so the nodes' RESULTs arrive straight at the
-  replica that runs slice k+1.
+* **nodes**: one channel to every memory node (opened by the node, joined here; CONNECT adds
+  nodes in the engine's node order, borrowed ones included). Replica ``replica_for(j, 0)``
+  sends micro-batch j's PREPARE; whoever runs slice k sends layer k's ATTENDs with ``reply_to``
+  the peer id of replica ``replica_for(j, k+1)`` (``peer_base`` + its index: unique across
+  instances that share a node), so the nodes' RESULTs arrive straight at that replica.
 * **prev / next**: the context of a micro-batch moves to the next replica as a CONTEXT
   message while its attention runs (``layer`` = the slice it feeds; meta: value names and
   the number of ATTEND parts per node to wait for).
@@ -33,20 +35,18 @@ from typing import Any
 import torch
 
 from lamina.computenode.replica import ComputeReplica
-from lamina.pool import NodeFailure
-from lamina.routing import NodeRoute, attend_messages, join_results, merge_results
-from lamina.simulator import replica_for
+from lamina.errors import NodeFailure
+from lamina.computenode.attend import NodeRoute, attend_messages, join_results, merge_results
+from lamina.computenode.schedule import replica_for
 from lamina.splitter.slices import ATTN_OUT
-from lamina.step_codec import parse_step, step_uniforms, tokens_message
+from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport import codec
-from lamina.transport.base import ChannelClosed, PeerDied
-from lamina.transport.shm import ShmChannel
+from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
+from lamina.transport.endpoint import Listening, connect, listen
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendResult, PrepareMsg, SamplingParams, StepPlan
 
 codec.register_error(NodeFailure)
-RING_BYTES = 8 << 20
-READER_SPIN_US = 20.0
 
 
 @dataclass
@@ -62,6 +62,7 @@ class ReplicaConfig:
     attn_parts: int = 1
     num_threads: int = 1
     trace: bool = False  # record timeline spans and send them with TOKENS
+    peer_base: int = 0  # this instance's replica i is peer ``peer_base + i`` on memory nodes
 
 
 @dataclass
@@ -80,12 +81,13 @@ class MicroBatch:
     results: dict[int, list[list[AttendResult]]] = field(default_factory=dict)  # layer -> route
 
 
-def serve_replica(ctrl_spec: dict, config: dict[str, Any]) -> None:
-    """Child process entry point: load and split the model, then serve until SHUTDOWN. A model
-    that fails to load answers every control message with the error."""
+def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
+    """A role's entry point (a process or an actor thread): join the engine's control channel
+    at ``endpoint``, load and split the model, then serve until SHUTDOWN. A model that fails to
+    load answers every control message with the error."""
     cfg = ReplicaConfig(**config)
     torch.set_num_threads(cfg.num_threads)
-    ctrl = ShmChannel.attach(ctrl_spec, spin_us=READER_SPIN_US)
+    ctrl = connect(endpoint)
     try:
         from lamina.models import load_model
         from lamina.splitter import split_model
@@ -97,7 +99,6 @@ def serve_replica(ctrl_spec: dict, config: dict[str, Any]) -> None:
     else:
         ReplicaServer(replica, cfg, ctrl).run()
         return
-    from lamina.remote import serve_loop
     serve_loop(ctrl, lambda msg: codec.to_message(error))
 
 
@@ -123,8 +124,13 @@ class ReplicaServer:
 
     # -- plumbing -----------------------------------------------------------------------------
     def _reader(self, source: Any, ch) -> None:
+        """Put every message of ``ch`` (a channel, or a :class:`Listening` whose peer has yet
+        to join) into the inbox, then the error that ended it."""
         def loop() -> None:
             try:
+                nonlocal ch
+                if isinstance(ch, Listening):
+                    ch = ch.channel()
                 while True:
                     self.inbox.put((source, ch.recv()))
             except BaseException as e:  # noqa: BLE001 - reported to the main loop
@@ -172,17 +178,19 @@ class ReplicaServer:
                 self.early.clear()
                 return True
             if msg.kind == MsgKind.OPEN:  # a channel for the previous replica's contexts
-                ch = ShmChannel.create(capacity=RING_BYTES, spin_us=READER_SPIN_US)
-                self._reader("previous", ch)
-                self.ctrl.send(codec.ok({"endpoint": ch.spec.to_dict()}))
+                lst = listen(msg.meta.get("kind", "shm"), msg.meta.get("host", "127.0.0.1"))
+                self.ctrl.send(codec.ok({"endpoint": lst.endpoint}))
+                self._reader("previous", lst)
                 return True
             if msg.kind == MsgKind.CONNECT:
-                for j, ep in enumerate(msg.meta["nodes"]):
-                    self.nodes.append(ShmChannel.attach(ep, spin_us=READER_SPIN_US))
-                    self._reader(("node", j), self.nodes[-1])
+                for ep in msg.meta["nodes"]:
+                    self.nodes.append(connect(ep))
+                    self._reader(("node", len(self.nodes) - 1), self.nodes[-1])
                 if msg.meta.get("next") is not None:
-                    self.next = ShmChannel.attach(msg.meta["next"])
-                self.ctrl.send(codec.ok())
+                    self.next = connect(msg.meta["next"])
+                reply = codec.ok()
+                reply.step_id = msg.step_id  # the engine may match it among its steps' replies
+                self.ctrl.send(reply)
                 return True
             if msg.kind in (MsgKind.PING, MsgKind.SHUTDOWN):
                 self.ctrl.send(codec.ok({"pid": os.getpid()}))
@@ -305,7 +313,7 @@ class ReplicaServer:
             mb.values = None
             return
         nxt = self._target(mb, k + 1)
-        msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=nxt,
+        msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=self.cfg.peer_base + nxt,
                                parts=self.cfg.attn_parts)
         for route, parts in zip(mb.routes, msgs):
             for m in parts:

@@ -27,7 +27,7 @@ def __getattr__(name: str):
     """Lazy top-level API (``from lamina import LLM, SamplingParams``) so that importing a
     sub-package such as ``lamina.kernels`` does not import the whole runtime."""
     if name in ("LLM",):
-        from lamina.api import LLM
+        from lamina.llm import LLM
         return LLM
     if name in ("SamplingParams",):
         from lamina.types import SamplingParams

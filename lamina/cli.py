@@ -51,15 +51,15 @@ def cmd_split(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lamina.api import LLM
+    from lamina.cli_args import config_from_args
+    from lamina.llm import LLM
     from lamina.models import ModelLoadError
     from lamina.types import SamplingParams
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.seed, max_tokens=args.max_tokens)
-        llm = LLM(args.model, memory=args.memory, transport=args.transport, device=args.device,
-                  kv_cache_gb=args.kv_cache_gb, **pipeline_kwargs(args))
+        llm = LLM(config=config_from_args(args), trace=args.trace)
     except (ValueError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -79,33 +79,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if all(o.error is None for o in outs) else 1
 
 
-def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    """``--compute``, ``--compute-processes``, ``--micro-batches``, ``--pipeline``,
-    ``--attn-parts``, ``--trace`` (see lamina.pipeline); :func:`pipeline_kwargs` turns them into ``LLM`` arguments."""
-    p.add_argument("--compute", type=int, default=1,
-                   help="compute replicas (in this process unless --compute-processes)")
-    p.add_argument("--compute-processes", action="store_true",
-                   help="run each compute replica in its own process (needs --transport shm): "
-                        "nodes reply to the next replica, contexts move between processes")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="micro-batches in flight (default: 1; compute+1 when rotational)")
-    p.add_argument("--pipeline", default=None, choices=["none", "fixed", "rotational"],
-                   help="staggered pipelining schedule (default: rotational when more than one "
-                        "micro-batch or replica)")
-    p.add_argument("--attn-parts", type=int, default=1,
-                   help="send each memory node its share of a layer as up to this many "
-                        "mini-batches, so it attends the first while the rest arrive")
-    p.add_argument("--trace", metavar="FILE.json", default=None,
-                   help="write a Chrome/Perfetto timeline of the run")
-
-
-def pipeline_kwargs(args: argparse.Namespace) -> dict:
-    return dict(compute=args.compute, micro_batches=args.micro_batches, pipeline=args.pipeline,
-                attn_parts=args.attn_parts, trace=args.trace,
-                compute_processes=args.compute_processes)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from lamina.cli_args import add_deployment_args
+
     p = argparse.ArgumentParser(prog="lamina", description="LLM serving with attention offloading")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("split", help="cut a model at its attention operators")
@@ -118,7 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_split)
 
     g = sub.add_parser("generate", help="generate text with attention offloaded to memory nodes")
-    g.add_argument("--model", default="smollm2")
     g.add_argument("--prompt", action="append", help="repeat for a batch (default: a demo prompt)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=32)
@@ -126,17 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--memory", type=int, default=1, help="memory nodes")
-    g.add_argument("--transport", default="local", choices=["local", "shm"],
-                   help="local: memory nodes in this process; shm: separate processes")
-    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget per memory node")
-    g.add_argument("--device", default="cpu")
-    add_pipeline_args(g)
+    g.add_argument("--trace", metavar="FILE.json", default=None,
+                   help="write a Chrome/Perfetto timeline of the run")
+    add_deployment_args(g, placement="procs")
     g.set_defaults(func=cmd_generate)
 
-    from lamina.launch import add_parser as add_launch
+    from lamina.server.launch import add_parser as add_launch
     add_launch(sub)
-    from lamina.bench_cli import add_parser as add_bench
+    from lamina.benchmark.run import add_parser as add_bench
     add_bench(sub)
     return p
 
@@ -144,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"] and "--plan" in argv:  # the planner has its own arguments
-        from lamina.planner import plan_main
+        from lamina.costmodel.planner import plan_main
         return plan_main([a for a in argv[1:] if a != "--plan"])
     args = build_parser().parse_args(argv)
     return args.func(args)

@@ -186,3 +186,18 @@ def load_tokenizer(name: str | os.PathLike):
         return transformers.AutoTokenizer.from_pretrained(path)
     except Exception:
         return None
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    """The ids that end a generation: the generation config's, else the model config's, else
+    the tokenizer's."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+        if ids:
+            break
+    return ids

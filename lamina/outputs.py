@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lamina.request import Request
+from lamina.engine.request import Request
 
 
 @dataclass

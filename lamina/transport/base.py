@@ -34,9 +34,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from lamina.transport.wire import DEFAULT_LIMITS, Message, WireLimits
+from typing import Callable
 
-__all__ = ["Channel", "ChannelClosed", "PeerDied"]
+from lamina.transport.wire import DEFAULT_LIMITS, Message, MsgKind, WireLimits
+
+__all__ = ["Channel", "ChannelClosed", "PeerDied", "START_TIMEOUT_S", "REPLY_TIMEOUT_S",
+           "serve_loop"]
+
+START_TIMEOUT_S = 300.0  # a role's process (or actor) answers its first PING within this
+REPLY_TIMEOUT_S = 600.0  # any request on a channel is answered within this
 
 
 class ChannelClosed(ConnectionError):
@@ -74,3 +80,21 @@ class Channel(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def serve_loop(ch: Channel, handler: Callable[[Message], Message],
+               on_exit: Callable[[], None] | None = None) -> None:
+    """Answer every request on ``ch`` with ``handler``'s one reply, in order, until SHUTDOWN
+    (answered, then the loop ends) or until the peer is gone; then close ``ch``."""
+    try:
+        while True:
+            msg = ch.recv()
+            ch.send(handler(msg))
+            if msg.kind == MsgKind.SHUTDOWN:
+                break
+    except (PeerDied, ChannelClosed):
+        pass  # the peer is gone: exit quietly
+    finally:
+        ch.close()
+        if on_exit is not None:
+            on_exit()

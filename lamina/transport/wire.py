@@ -71,7 +71,7 @@ class MsgKind(IntEnum):
     ERROR = 10
     SHUTDOWN = 11
     PING = 12
-    STEP = 13  # engine -> compute replica: one StepPlan with its routes (lamina.step_codec)
+    STEP = 13  # engine -> compute replica: one StepPlan with its routes (lamina.transport.step_codec)
     TOKENS = 14  # compute replica -> engine: the step's sampled token ids
     CONTEXT = 15  # compute replica -> next replica: a micro-batch's context (staggered pipelining)
     OPEN = 16  # engine -> node/replica: open a channel for a peer; OK carries its endpoint

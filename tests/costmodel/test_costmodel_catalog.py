@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lamina.hardware import ENV_VAR, CatalogError, get_device, load_catalog, parse_catalog
+from lamina.costmodel.hardware import ENV_VAR, CatalogError, get_device, load_catalog, parse_catalog
 
 TABLE1 = {  # Lamina Table 1: price $, memory GB, bandwidth GB/s
     "A100-80G": (17_500, 80, 1935), "H100": (36_500, 80, 3350), "RTX-3090": (1_600, 24, 936.2),

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from lamina.costmodel import (DEFAULT_MFU, PRESETS, MfuCurve, homogeneous, load_model_spec,
+from lamina.costmodel.model import (DEFAULT_MFU, PRESETS, MfuCurve, homogeneous, load_model_spec,
                               min_interconnect_bandwidth, paper_min_bandwidth)
-from lamina.hardware import load_catalog
-from lamina.planner import best_homogeneous, best_per_dollar
+from lamina.costmodel.hardware import load_catalog
+from lamina.costmodel.planner import best_homogeneous, best_per_dollar
 
 CAT = load_catalog(use_env=False)
 LLAMAS = ["llama-13b", "llama-33b", "llama-65b"]

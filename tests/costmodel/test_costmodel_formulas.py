@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from lamina.costmodel import (Assumptions, Infeasible, MfuCurve, ModelSpec, attn_time, device_ratio,
+from lamina.costmodel.model import (Assumptions, Infeasible, MfuCurve, ModelSpec, attn_time, device_ratio,
                               homogeneous, layer_times, min_interconnect_bandwidth, nonattn_time,
                               offloaded, paper_min_bandwidth, tp_degree)
-from lamina.hardware import Device
+from lamina.costmodel.hardware import Device
 
 ROUND = ModelSpec("round", layers=10, hidden=1000, heads=10, kv_heads=5, head_dim=100,
                   intermediate=2000, vocab=1000, dtype_bytes=2)

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from lamina.costmodel import Assumptions, ModelSpec
-from lamina.hardware import Device, load_catalog
-from lamina.planner import PlanError, plan, plan_main
+from lamina.costmodel.model import Assumptions, ModelSpec
+from lamina.costmodel.hardware import Device, load_catalog
+from lamina.costmodel.planner import PlanError, plan, plan_main
 
 # same made-up model and devices as test_costmodel_formulas.py (hand numbers there)
 ROUND = ModelSpec("round", layers=10, hidden=1000, heads=10, kv_heads=5, head_dim=100,

@@ -6,7 +6,7 @@ import psutil
 import pytest
 
 from lamina import LLM, SamplingParams
-from lamina.pool import NodeFailure
+from lamina.errors import NodeFailure
 
 from tiny_models import tiny_folder
 

@@ -4,7 +4,7 @@ pools by the gManager's placement (proactive) is attended where it lands, and no
 lost."""
 import pytest
 
-from lamina.deployment import Deployment
+from lamina.deployment.deployment import Deployment
 from lamina.types import SamplingParams
 
 from hf_oracle import hf_greedy
@@ -69,7 +69,7 @@ def test_without_borrowing_the_long_request_fails_cleanly(tiny):
 def test_proactive_moves_keep_greedy_output(tiny):
     """The gManager's greedy placement moves long requests' oldest slabs to the idle instance
     while they decode; outputs still match HF."""
-    from lamina.borrowing import PerfModel
+    from lamina.deployment.borrowing import PerfModel
 
     folder, model = tiny
     # instance 0 gets long requests (a small batch that fills its pool), instance 1 idles

@@ -10,7 +10,7 @@ import pytest
 
 from lamina import LLM, SamplingParams
 from lamina.models import load_model
-from lamina.pool import NodeFailure
+from lamina.errors import NodeFailure
 
 from hf_oracle import hf_greedy, tiny_case
 

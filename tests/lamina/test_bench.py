@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from lamina import LLM
-from lamina.bench import percentile, run_grid_cell, run_trace
+from lamina.benchmark.measure import percentile, run_grid_cell, run_trace
 from lamina.cli import main
-from lamina.workloads import GridCell, synthetic_trace
+from lamina.benchmark.workloads import GridCell, synthetic_trace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
 from tiny_models import tiny_folder  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lamina import LLM
-from lamina.bench_steps import HFStepper, LaminaStepper
+from lamina.benchmark.steps import HFStepper, LaminaStepper
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))

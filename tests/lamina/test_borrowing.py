@@ -9,9 +9,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from lamina.borrowing import (GManager, GManagerClient, Heartbeat, InstanceLoad, MoveCommand,  # noqa: E402
+from lamina.deployment.borrowing import (GManager, GManagerClient, Heartbeat, InstanceLoad, MoveCommand,  # noqa: E402
                               RequestPlacementEntry, RManager, start_gmanager)
-from lamina.deployment import Deployment  # noqa: E402
+from lamina.deployment.deployment import Deployment  # noqa: E402
 from lamina.types import SamplingParams  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))

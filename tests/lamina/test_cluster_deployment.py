@@ -10,7 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from lamina.borrowing import PerfModel  # noqa: E402
+from lamina.deployment.borrowing import PerfModel  # noqa: E402
 from lamina.cluster import start_deployment  # noqa: E402
 from lamina.types import SamplingParams  # noqa: E402
 

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from lamina.pipeline import PipelineConfig, resolve_pipeline
-from lamina.request import Request
-from lamina.scheduler import Scheduler, SchedulerConfig
+from lamina.computenode.executor import PipelineConfig, resolve_pipeline
+from lamina.engine.request import Request
+from lamina.engine.scheduler import Scheduler, SchedulerConfig
 from lamina.timeline import Timeline
 from lamina.types import SamplingParams
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from lamina.models import load_model
-from lamina.profiling import profile_perf
+from lamina.deployment.profiling import profile_perf
 from lamina.splitter import split_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))

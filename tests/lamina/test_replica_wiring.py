@@ -8,8 +8,8 @@ import torch
 
 from lamina.memnode import MemoryNode
 from lamina.remote import NodeServer, RemoteNode
-from lamina.routing import NodeRoute
-from lamina.step_codec import parse_step, step_message, step_uniforms
+from lamina.computenode.attend import NodeRoute
+from lamina.transport.step_codec import parse_step, step_message, step_uniforms
 from lamina.transport import codec
 from lamina.transport.shm import ShmChannel, shm_pair
 from lamina.transport.wire import MsgKind, WireError, decode, encode_bytes

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lamina.kernels import merge_states
-from lamina.routing import NodeRoute, attend_messages, join_results, merge_results
+from lamina.computenode.attend import NodeRoute, attend_messages, join_results, merge_results
 from lamina.types import AttendResult, ShardWork
 
 

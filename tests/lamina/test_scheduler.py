@@ -1,8 +1,8 @@
 """Scheduler: continuous batching, chunked prefill, placement across nodes, preemption."""
 import pytest
 
-from lamina.request import Request, Status
-from lamina.scheduler import Scheduler, SchedulerConfig
+from lamina.engine.request import Request, Status
+from lamina.engine.scheduler import Scheduler, SchedulerConfig
 from lamina.types import SamplingParams
 
 

@@ -6,8 +6,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from lamina import LLM
-from lamina.async_engine import AsyncEngine
-from lamina.server import build_app
+from lamina.server.async_engine import AsyncEngine
+from lamina.server.app import build_app
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
 from tiny_models import tiny_folder  # noqa: E402

@@ -1,7 +1,7 @@
 """The pipelining simulator: exact answers for simple cases, schedule invariants, Fig. 12 shape."""
 import pytest
 
-from lamina.simulator import SimConfig, StageTimes, replica_for, simulate
+from lamina.costmodel.simulator import SimConfig, StageTimes, replica_for, simulate
 
 
 def _cfg(schedule, n, N, times, M=1, L=4, iters=30):

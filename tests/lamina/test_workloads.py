@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from lamina.workloads import LONG_FRACTION, GridCell, grid, synthetic_trace
+from lamina.benchmark.workloads import LONG_FRACTION, GridCell, grid, synthetic_trace
 
 V = 1000
 

@@ -1,0 +1,154 @@
+"""``lamina bench``: measure a deployment against its baselines and write a report.
+
+    lamina bench --model smollm2 --compute 1 --memory 2 --workload mixed --report DIR
+    lamina bench --plan --model llama-13b --budget 100000      # cost model only (planner)
+
+Systems measured in the same run, on the same requests:
+
+* ``lamina``: ``--instances`` of ``--compute`` replica(s) and ``--memory`` memory nodes placed by
+  ``--placement`` (default procs), each node holding ``--kv-cache-gb`` of KV;
+* ``homogeneous``: one memory node in this process on the compute device with the KV budget
+  the compute node would have alone (``--compute-kv-gb``, default one node's budget);
+* ``hf``: Hugging Face ``generate`` on the same weights.
+
+A trace workload (short | long | mixed, see :mod:`lamina.benchmark.workloads`) is replayed with its
+Poisson arrivals; the batch x context grid (``--batches`` x ``--contexts``) is measured for
+every workload (``--workload grid`` runs the grid alone). The report folder gets
+``report.md``, ``results.json`` and PNG plots (:mod:`lamina.benchmark.report`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from lamina.benchmark.workloads import TRACE_KINDS
+from lamina.cli_args import add_deployment_args, config_from_args
+
+COST_CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768]
+COST_COMPUTE = ["H100", "A100-80G"]
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark a deployment against HF and homogeneous baselines",
+                       description=__doc__.split("\n\n")[0])
+    b.add_argument("--plan", action="store_true",
+                   help="only print the recommended deployment for --budget (see `lamina bench --plan --help`)")
+    b.add_argument("--workload", default="mixed", choices=[*TRACE_KINDS, "grid"])
+    b.add_argument("--report", required=True, metavar="DIR", help="folder for report.md, results.json, PNGs")
+    b.add_argument("--requests", type=int, default=32, help="requests in the trace")
+    b.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (inf: all at once)")
+    b.add_argument("--scale", type=float, default=1.0, help="multiply trace lengths (CPU runs: < 1)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32], help="grid batch sizes (none: no grid)")
+    b.add_argument("--contexts", type=int, nargs="+", default=[128, 512], help="grid prompt lengths")
+    b.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per grid request")
+    b.add_argument("--baselines", nargs="*", default=["hf", "homogeneous"], choices=["hf", "homogeneous"])
+    b.add_argument("--compute-kv-gb", type=float, default=None,
+                   help="KV budget of the homogeneous baseline (default: --kv-cache-gb)")
+    b.add_argument("--trace", metavar="FILE.json", default=None,
+                   help="write a Chrome/Perfetto timeline of the Lamina system's run")
+    add_deployment_args(b, placement="procs", memory=2)
+    b.set_defaults(func=cmd_bench)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.memory < 1 or args.requests < 1 or args.new_tokens < 2 or not args.rate > 0 \
+            or not args.scale > 0 or args.kv_cache_gb <= 0 or (args.compute_kv_gb or 1) <= 0:
+        raise ValueError("--memory, --requests, --rate, --scale and KV budgets must be positive; "
+                         "--new-tokens >= 2")
+    if args.workload == "grid" and not args.batches:
+        raise ValueError("--workload grid needs --batches")
+
+
+def _machine(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from lamina.llm import LLM
+    from lamina.benchmark.measure import hf_grid_cell, hf_trace, run_grid_cell, run_trace
+    from lamina.costmodel.model import ModelSpec, PRESETS
+    from lamina.costmodel.hardware import load_catalog
+    from lamina.models import ModelLoadError, load_model
+    from lamina.benchmark.report import BenchReport, cost_curves, markdown, write_report
+    from lamina.benchmark.workloads import grid, synthetic_trace
+
+    try:
+        _check(args)
+        cells = grid(args.batches, args.contexts, args.new_tokens) if args.batches else []
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        lamina_cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    systems = [("lamina", dict(config=lamina_cfg, trace=args.trace))]
+    if "homogeneous" in args.baselines:
+        systems.append(("homogeneous", dict(
+            model=args.model, memory=1, placement="inproc", device=args.device,
+            dtype=args.dtype, kv_cache_gb=args.compute_kv_gb or args.kv_cache_gb,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)))
+    rep = BenchReport(config={**vars(args), "func": None, "machine": _machine(args.device),
+                              "command": "lamina " + shlex.join(sys.argv[1:]),
+                              "date": time.strftime("%Y-%m-%d %H:%M")})
+    trace, vocab, pad = [], 2, 0
+    phases = tqdm(total=len(systems) + ("hf" in args.baselines), desc="bench", unit="system")
+    for name, kw in systems:
+        phases.set_postfix_str(name)
+        try:
+            llm = LLM(**kw)
+        except (ValueError, ModelLoadError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        with llm:
+            engines = [x.engine for x in llm.deployment.instances]
+            eng = engines[0]
+            vocab = eng.vocab_size or 2
+            cap = sum(e.scheduler.total_capacity for e in engines)
+            pad = getattr(llm.tokenizer, "pad_token_id", None) or 0
+            if args.workload != "grid" and not trace:
+                trace = synthetic_trace(args.workload, args.requests, args.rate, vocab, seed=args.seed,
+                                        scale=args.scale, max_context=eng.scheduler.config.max_model_len)
+            rep.capacity[name] = cap
+            rep.fits[name] = {c: min(cap // (c + args.new_tokens), args.max_num_seqs) for c in args.contexts}
+            llm.generate([[min(100, vocab - 1)] * 4], use_tqdm=False)  # warm-up: first-call costs
+            if trace:
+                rep.trace.append(run_trace(llm, trace, name, parallel_nodes=llm.config.instance.placement != "inproc"))
+            for cell in tqdm(cells, desc=f"{name} grid", unit="cell", leave=False):
+                rep.grid.append(run_grid_cell(llm, cell, name, cap))
+        phases.update(1)
+    if "hf" in args.baselines:
+        phases.set_postfix_str("hf")
+        model = load_model(args.model, device=args.device).model
+        if trace:
+            rep.trace.insert(0, hf_trace(model, trace, pad, args.max_num_seqs))
+        for cell in tqdm(cells, desc="hf grid", unit="cell", leave=False):
+            rep.grid.append(hf_grid_cell(model, cell, pad, vocab))
+        cfg = model.config
+        phases.update(1)
+    else:
+        cfg = None
+    phases.close()
+    spec = PRESETS.get(str(args.model).lower())
+    if spec is None and cfg is not None:
+        spec = ModelSpec.from_hf_config(cfg, name=str(args.model), dtype_bytes=2)
+    if spec is not None:
+        catalog = load_catalog()
+        rep.cost = cost_curves(spec, COST_CONTEXTS, [catalog[n] for n in COST_COMPUTE if n in catalog],
+                               [d for d in catalog.values() if d.can("memory")])
+    paths = write_report(rep, args.report)
+    print(markdown(rep))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+

@@ -1,0 +1,143 @@
+"""One configuration chain, passed down whole: model -> cache -> scheduler -> instance ->
+deployment (-> server, for ``lamina launch``). Defaults live here and nowhere else; ``LLM``,
+the CLI and the server build a :class:`DeploymentConfig` with :func:`deployment_config`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lamina.computenode.executor import PipelineConfig, resolve_pipeline
+from lamina.engine.scheduler import SchedulerConfig
+
+PLACEMENTS = ("inproc", "procs", "ray")
+TRANSPORTS = ("auto", "shm", "tcp")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``model``: builtin alias, HF folder, GGUF file or ``pkg.module:function``; ``dtype``
+    a torch dtype name (None: float32 on CPU, bfloat16 on CUDA)."""
+
+    model: str = "smollm2"
+    dtype: str | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.dtype) if self.dtype else None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV budget per memory node: ``kv_cache_gb``, or exactly ``kv_cache_tokens`` slots;
+    ``slab_size`` slots are the unit of lending and moving KV between pools."""
+
+    kv_cache_gb: float = 1.0
+    kv_cache_tokens: int | None = None
+    slab_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
+        if self.slab_size < 1:
+            raise ValueError(f"slab_size must be >= 1, got {self.slab_size}")
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """One instance: ``pipeline.replicas`` compute replicas on ``device`` and ``memory`` memory
+    nodes on ``memory_device`` (default: ``device``), placed by ``placement``:
+
+    * ``inproc``: every role in the engine's process (local calls, shared weights);
+    * ``procs``: every role a process of its own on this host (shm channels);
+    * ``ray``: every role a Ray actor (shm on one host, tcp across hosts; ``address`` joins a
+      running cluster).
+
+    ``transport`` picks the links between roles out of process (``auto``: shm on one host,
+    tcp across hosts); ``num_threads`` is each such role's torch thread count."""
+
+    memory: int = 1
+    placement: str = "inproc"
+    device: str = "cpu"
+    memory_device: str | None = None
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    transport: str = "auto"
+    address: str | None = None
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.memory < 1:
+            raise ValueError(f"memory must be >= 1, got {self.memory}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got "
+                             f"{self.placement!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got "
+                             f"{self.transport!r}")
+
+    @property
+    def compute(self) -> int:
+        return self.pipeline.replicas
+
+    @property
+    def node_device(self) -> str:
+        return self.memory_device or self.device
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """``instances`` instances behind one router; with ``borrowing`` (and more than one
+    instance) their pools lend KV space to each other through a gManager (``plan_every``:
+    run its greedy placement every that many rounds; 0: reactive borrowing only)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    instance: InstanceConfig = field(default_factory=InstanceConfig)
+    instances: int = 1
+    borrowing: bool = True
+    plan_every: int = 0
+    beta_thres: int = 8
+    util_thres: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ValueError(f"instances must be >= 1, got {self.instances}")
+
+    @property
+    def lends(self) -> bool:
+        """Whether pools lend to each other (borrowing on, more than one instance)."""
+        return self.borrowing and self.instances > 1
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible server of ``lamina launch`` (binds loopback unless told)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+
+
+def deployment_config(model: str = "smollm2", *, compute: int = 1, memory: int = 1,
+                      instances: int = 1, placement: str = "inproc", pipeline: str | None = None,
+                      micro_batches: int | None = None, attn_parts: int = 1,
+                      borrowing: bool = True, plan_every: int = 0, device: str = "cpu",
+                      memory_device: str | None = None, dtype: torch.dtype | str | None = None,
+                      kv_cache_gb: float = 1.0, kv_cache_tokens: int | None = None,
+                      slab_size: int = 256, max_num_seqs: int = 64,
+                      max_num_batched_tokens: int = 512, transport: str = "auto",
+                      address: str | None = None) -> DeploymentConfig:
+    """The chain from flat keywords (what ``LLM(...)`` and the CLI take)."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    return DeploymentConfig(
+        ModelConfig(str(model), dtype),
+        CacheConfig(kv_cache_gb, kv_cache_tokens, slab_size),
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        InstanceConfig(memory, placement, device, memory_device,
+                       resolve_pipeline(pipeline, micro_batches, compute, attn_parts),
+                       transport, address),
+        instances, borrowing, plan_every)

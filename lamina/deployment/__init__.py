@@ -1,0 +1,50 @@
+"""Several instances behind one router, with cluster borrowing between their pools
+(:mod:`lamina.deployment.deployment`, :mod:`lamina.deployment.borrowing`), and
+:func:`start_deployment`, which builds one from a :class:`~lamina.config.DeploymentConfig` under
+any placement. ``LLM`` and ``lamina launch`` both hold one; it is not a user API of its own.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from lamina.config import DeploymentConfig
+from lamina.deployment.deployment import Deployment
+from lamina.instance import Instance, ModelInfo, launcher_for, load_model_info, start_instance
+from lamina.timeline import Timeline
+
+__all__ = ["Deployment", "start_deployment"]
+
+
+def start_deployment(config: DeploymentConfig, info: ModelInfo | None = None, *,
+                     timeline: Timeline | None = None, perf=None,
+                     progress: Callable[[str], None] = lambda stage: None) -> Deployment:
+    """Load the model (unless ``info`` is given), start ``config.instances`` instances under
+    ``config.instance.placement`` and put them behind one router; with borrowing, a gManager
+    (a Ray actor under the ``ray`` placement). ``perf``: the greedy placement's performance
+    model (default, when ``plan_every`` is set: measured now on the compute device). On any
+    failure, whatever was started is stopped."""
+    if info is None:
+        progress("loading and splitting the model")
+        info = load_model_info(config)
+    launcher = launcher_for(config)
+    instances: list[Instance] = []
+    try:
+        for i in range(config.instances):
+            progress(f"starting instance {i}: {config.instance.compute} compute replica(s), "
+                     f"{config.instance.memory} memory node(s)")
+            instances.append(start_instance(config, i, info, launcher, timeline))
+        if config.lends and config.plan_every and perf is None:
+            from lamina.deployment.profiling import profile_perf
+            progress("profiling the performance model")
+            perf = profile_perf(info.split, config.instance.device, info.dtype)
+        ray = config.instance.placement == "ray"
+        return Deployment(instances, slab_size=config.cache.slab_size, borrowing=config.lends,
+                          gmanager="ray" if ray else "local", beta_thres=config.beta_thres,
+                          util_thres=config.util_thres, perf=perf,
+                          plan_every=config.plan_every, launcher=launcher)
+    except BaseException:
+        for inst in reversed(instances):
+            inst.close()
+        if launcher is not None:
+            launcher.close()
+        raise

@@ -1,0 +1,366 @@
+"""Several instances in one deployment, with cluster borrowing between their memory pools.
+
+A :class:`Deployment` runs several instances (:mod:`lamina.instance`), each an engine with its
+own compute replicas and memory pool, under any placement (:func:`lamina.deployment.start_deployment`
+builds it; ``LLM`` and ``lamina launch`` hold one). A router puts each request on the
+least-loaded instance, and one thread drives every engine: each round starts all instances'
+steps, then collects them. With ``borrowing`` on, every instance has an
+:class:`~lamina.deployment.borrowing.RManager` and all share one
+:class:`~lamina.deployment.borrowing.GManager` (a Ray actor with ``gmanager="ray"``), and KV
+space flows between pools in two ways:
+
+* **Reactive** (Infinite-LLM §5): a request that outgrows its pool borrows at once. Its
+  scheduler asks the gManager for room (``try_borrow``); the creditor lends slots of one of its
+  nodes (its scheduler's capacity for that node shrinks) and the debtor attaches that node, so
+  the request's next positions are stored and attended there. Only queries and ``(o, lse)``
+  cross pools, in the debtor's ATTEND fan-out; the LSE merge makes the result exact.
+* **Proactive** (the gManager's greedy placement): :meth:`Deployment.move_kvcache` moves the
+  oldest slabs of a request (a prefix of its first shard) to a creditor: reserve with
+  ``try_move_kvcache``, EXPORT from the source node, IMPORT on the creditor's node while the
+  instances decode, and only after the round switch the placement and free the source range.
+
+Loans whose space the debtor no longer uses go back to the creditor after every round. A
+memory node serves its own replicas, every debtor replica that borrowed from it, and the
+engine-side client (moves, stats); request and step ids are kept disjoint per instance
+(``Engine(id_base=...)``) so they never collide on a shared node.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from lamina.deployment.borrowing import (GManager, GManagerClient, InstanceLoad, MoveCommand,
+                                        RManager, RequestPlacementEntry, start_gmanager)
+from lamina.engine.engine import StepOutput
+from lamina.engine.request import Request
+from lamina.errors import NodeFailure
+from lamina.instance import ID_STRIDE, Instance
+from lamina.types import SamplingParams
+
+
+@dataclass
+class Loan:
+    """``slots`` of creditor ``creditor``'s node ``creditor_node`` lent to ``debtor``, where it
+    is node ``debtor_node``."""
+
+    debtor: int
+    debtor_node: int
+    creditor: int
+    creditor_node: int
+    slots: int = 0
+
+
+@dataclass
+class _Move:
+    """A KV move whose data is in flight (EXPORT/IMPORT done while the instances step)."""
+
+    cmd: MoveCommand
+    res_id: int
+    req: Request
+    node: int  # source node (the request's first shard)
+    start: int
+    count: int
+    loan: Loan
+
+
+class Deployment:
+    """Several instances behind one router; see the module docstring.
+
+    ``gmanager``: ``"local"`` (an object in this process) or ``"ray"`` (a Ray actor; needs
+    Ray). ``plan_every``: run the gManager's greedy placement every that many rounds (0:
+    reactive borrowing only) with ``perf`` (a :class:`~lamina.deployment.borrowing.PerfModel`).
+    ``launcher`` (closed last) placed the instances' roles. Built by
+    :func:`lamina.deployment.start_deployment`.
+    """
+
+    def __init__(self, instances: list[Instance], *, slab_size: int, borrowing: bool = True,
+                 gmanager: str = "local", beta_thres: int = 8, util_thres: float = 0.5,
+                 perf=None, plan_every: int = 0, launcher=None):
+        if not instances:
+            raise ValueError("a deployment needs at least one instance")
+        if gmanager not in ("local", "ray"):
+            raise ValueError(f"gmanager must be 'local' or 'ray', got {gmanager!r}")
+        self.instances = instances
+        self.launcher = launcher  # closed last (a Ray launcher may own Ray)
+        self.slab = slab_size
+        self.borrowing = borrowing
+        self.plan_every = plan_every
+        self.loans: dict[tuple[int, int], Loan] = {}  # (debtor, debtor_node) -> loan
+        self.moves = 0
+        self._rounds = itertools.count(1)
+        self.gmanager: GManagerClient | None = None
+        if borrowing:
+            kw = dict(beta_thres=beta_thres, util_thres=util_thres, perf=perf)
+            target = start_gmanager(slab_size, **kw) if gmanager == "ray" else GManager(slab_size, **kw)
+            self.gmanager = GManagerClient(target)
+            for inst in instances:
+                inst.scheduler.lender = _Lender(self, inst.inst_id)
+                inst.rmanager = RManager(inst.inst_id, self.gmanager,
+                                         lambda i=inst.inst_id: self._state(i))
+        self.heartbeat()
+
+    # -- requests (the calls AsyncEngine makes of an engine) -------------------------------------
+    def _of(self, req_id: int) -> Instance:
+        return self.instances[req_id // ID_STRIDE]
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Route to the least-loaded live instance (fewest requests, then most free slots)."""
+        live = [x for x in self.instances if x.failed is None]
+        if not live:
+            raise RuntimeError("every instance of this deployment has failed")
+        inst = min(live, key=lambda x: (x.load(), -sum(x.scheduler.free), x.inst_id))
+        return inst.engine.add_request(prompt_ids, params)
+
+    def has_work(self) -> bool:
+        return any(x.engine.has_work() for x in self.instances if x.failed is None)
+
+    def abort(self, req: Request, error: Exception) -> None:
+        self._of(req.req_id).engine.abort(req, error)
+
+    def forget(self, req_id: int) -> None:
+        self._of(req_id).engine.forget(req_id)
+
+    def counts(self) -> tuple[int, int]:
+        running, waiting = zip(*(x.engine.counts() for x in self.instances))
+        return sum(running), sum(waiting)
+
+    def kv_slots(self) -> tuple[list[int], list[int]]:
+        """(used, capacity) of every instance's own nodes, instance by instance."""
+        used: list[int] = []
+        for x in self.instances:
+            used += [0] * x.own_nodes if x.failed else [c.stats().used_slots for c in x.nodes]
+        return used, [c for x in self.instances for c in x.physical]
+
+    def step(self) -> StepOutput:
+        """One round: every instance with work starts a step (Ray-placed replicas run them
+        at the same time); the moves the gManager planned (every ``plan_every`` rounds) copy
+        their KV meanwhile; the steps finish; the moves switch placement; idle loans go back
+        and the rManagers send heartbeats. An instance whose node or replica fails ends its
+        requests with that error and leaves the router; the others go on."""
+        out = StepOutput()
+        active = [x for x in self.instances if x.failed is None and x.engine.has_work()]
+        for inst in active:
+            self._guard(inst, out, inst.engine.start_step)
+        moves: list[_Move] = []
+        if self.borrowing and self.plan_every and next(self._rounds) % self.plan_every == 0:
+            for cmd in self.gmanager.call("plan"):
+                m = self._begin_move(cmd)
+                if m is not None:
+                    moves.append(m)
+        for inst in active:
+            self._guard(inst, out, inst.engine.finish_step)
+        for m in moves:
+            self._end_move(m)
+        if self.borrowing:
+            self._reclaim()
+            self.heartbeat()
+        return out
+
+    def _guard(self, inst: Instance, out: StepOutput, fn) -> None:
+        if inst.failed is not None:
+            return
+        try:
+            fn(out)
+        except NodeFailure as e:
+            if all(x.failed is not None for x in self.instances if x is not inst):
+                raise  # nothing left to serve: the caller fails as a single engine would
+            self._fail(inst, e, out)
+
+    def _fail(self, inst: Instance, error: BaseException, out: StepOutput) -> None:
+        """Instance ``inst`` is broken: its requests end with ``error``, its loans are void."""
+        inst.failed = error
+        for req in list(inst.engine.requests.values()):
+            if not req.finished:
+                inst.scheduler.finish(req, "error")
+                req.error = RuntimeError(f"instance {inst.inst_id} failed: {error}")
+                out.finished.append(req)
+        for key in [k for k, ln in self.loans.items() if inst.inst_id in (ln.debtor, ln.creditor)]:
+            del self.loans[key]
+
+    def request(self, req_id: int) -> Request | None:
+        """The request of that id, while its instance's engine holds it."""
+        return self._of(req_id).engine.requests.get(req_id)
+
+    def close(self) -> None:
+        """Stop the gManager, then every instance (in reverse order: the first launched may
+        own Ray)."""
+        if self.gmanager is not None:
+            self.gmanager.close()
+            self.gmanager = None
+        for inst in reversed(self.instances):
+            inst.close()
+        if self.launcher is not None:
+            self.launcher.close()
+            self.launcher = None
+
+    def __enter__(self) -> "Deployment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- heartbeats ------------------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        for inst in self.instances:
+            if inst.rmanager is not None:
+                inst.rmanager.beat()
+
+    def _state(self, i: int) -> tuple[InstanceLoad, dict[int, RequestPlacementEntry]]:
+        """Instance i's load and the entries for the KV its own nodes hold: its requests'
+        shards there, and the shards debtors placed on slots it lent."""
+        inst = self.instances[i]
+        s = inst.scheduler
+        total = sum(inst.physical)
+        used = total - sum(s.free[:inst.own_nodes])
+        slabs: dict[int, int] = {}
+        for req in s.running:
+            n = sum(sh.length for sh in req.shards if sh.node < inst.own_nodes)
+            if n:
+                slabs[req.req_id] = n
+        entries = {r: RequestPlacementEntry(r, i, -(-n // self.slab), True) for r, n in slabs.items()}
+        for loan in self.loans.values():
+            if loan.creditor != i:
+                continue
+            for req in self.instances[loan.debtor].scheduler.running:
+                n = sum(sh.length for sh in req.shards if sh.node == loan.debtor_node)
+                if n:
+                    prev = entries.get(req.req_id)
+                    k = -(-n // self.slab) + (prev.num_slabs if prev else 0)
+                    entries[req.req_id] = RequestPlacementEntry(req.req_id, i, k, False)
+        load = InstanceLoad(i, len(s.running), len(s.waiting), total // self.slab,
+                            -(-used // self.slab))
+        return load, entries
+
+    # -- loans -----------------------------------------------------------------------------------
+    def _loan(self, debtor: int, creditor: int, cnode: int) -> Loan:
+        """The debtor's loan on creditor's node ``cnode``, attaching the node on first use."""
+        for loan in self.loans.values():
+            if (loan.debtor, loan.creditor, loan.creditor_node) == (debtor, creditor, cnode):
+                return loan
+        d = self.instances[debtor]
+        index = d.engine.attach(self.instances[creditor].share(cnode), 0)
+        loan = Loan(debtor, index, creditor, cnode)
+        self.loans[(debtor, index)] = loan
+        return loan
+
+    def lend(self, loan: Loan, slots: int) -> None:
+        """Move ``slots`` free slots of the creditor's node into the debtor's loan (a negative
+        count gives them back)."""
+        self.instances[loan.creditor].scheduler.resize(loan.creditor_node, -slots)
+        self.instances[loan.debtor].scheduler.resize(loan.debtor_node, slots)
+        loan.slots += slots
+
+    def _reclaim(self) -> None:
+        """Give back loans' idle slots: all of them once the debtor has no KV there, else all but
+        one slab's worth of headroom (so a decoding request does not borrow every step)."""
+        for loan in self.loans.values():
+            s = self.instances[loan.debtor].scheduler
+            idle = min(s.free[loan.debtor_node], loan.slots)
+            if idle < loan.slots:  # in use: keep a slab of headroom
+                idle = max(idle - self.slab, 0)
+            if idle:
+                self.lend(loan, -idle)
+
+    def borrow(self, debtor: int, req: Request, num_slots: int) -> bool:
+        """Reactive borrowing of ``num_slots`` for ``req``, from as many creditors as it takes
+        (see :class:`lamina.engine.scheduler.Lender`); True if any slot was lent."""
+        used = {sh.node for sh in req.shards}
+        tail = req.shards[-1].node if req.shards else None
+        exclude: list[int] = [x.inst_id for x in self.instances if x.failed is not None]
+        got = 0
+        while got < num_slots:
+            res = self.gmanager.call("try_borrow", debtor, -(-(num_slots - got) // self.slab),
+                                     tuple(exclude))
+            if res is None:
+                break
+            exclude.append(res.dst)
+            creditor = self.instances[res.dst]
+            want, lent = res.num_slabs * self.slab, 0
+            for cnode in sorted(range(creditor.own_nodes), key=lambda n: -creditor.scheduler.free[n]):
+                loan = self._loan(debtor, res.dst, cnode)
+                if loan.debtor_node in used and loan.debtor_node != tail:
+                    continue  # a request holds one contiguous shard per node
+                take = min(want - lent, creditor.scheduler.free[cnode])
+                if take > 0:
+                    self.lend(loan, take)
+                    lent += take
+                if lent >= want:
+                    break
+            creditor.rmanager.ack(res.res_id)
+            got += lent
+        return got > 0
+
+    # -- proactive moves -------------------------------------------------------------------------
+    def move_kvcache(self, cmd: MoveCommand) -> bool:
+        """Move ``cmd.num_slabs`` slabs of the oldest KV of ``cmd.req_id`` to ``cmd.dst`` now
+        (between rounds); False when nothing moved. :meth:`step` runs the same two halves
+        around the instances' steps, so the copy overlaps decoding."""
+        m = self._begin_move(cmd)
+        return m is not None and self._end_move(m)
+
+    def _begin_move(self, cmd: MoveCommand) -> _Move | None:
+        """Reserve at the destination (``try_move_kvcache``), EXPORT the oldest ``count``
+        positions of the request's first shard and IMPORT them on the creditor's node. The
+        request may be decoding meanwhile: only its tail grows, and these positions are
+        written (``< num_computed``) and never change. None (nothing reserved or copied) when
+        the request has no such prefix in its own pool, or the gManager or creditor refuses."""
+        src = self.instances[cmd.src]
+        req = src.engine.requests.get(cmd.req_id)
+        if req is None or req.finished or not req.shards or self.instances[cmd.dst].failed:
+            return None
+        first = req.shards[0]
+        written = min(first.end, req.num_computed) - first.start
+        count = min(cmd.num_slabs * self.slab, first.length - 1, written)
+        if first.node >= src.own_nodes or count < 1:
+            return None
+        res = self.gmanager.call("try_move_kvcache", cmd)
+        if res is None:
+            return None
+        creditor = self.instances[cmd.dst]
+        cnode = max(range(creditor.own_nodes), key=lambda n: creditor.scheduler.free[n])
+        loan = self._loan(cmd.src, cmd.dst, cnode)
+        if creditor.scheduler.free[cnode] < count or loan.debtor_node in {s.node for s in req.shards}:
+            self.gmanager.call("abort", res.res_id)
+            return None
+        a = first.start
+        chunk = src.nodes[first.node].export(req.req_id, a, a + count)
+        creditor.nodes[cnode].import_kv(chunk)
+        return _Move(cmd, res.res_id, req, first.node, a, count, loan)
+
+    def _end_move(self, m: _Move) -> bool:
+        """After the steps: the data has landed, so switch the placement and free the source
+        range; if the request finished, was preempted or changed shape meanwhile, drop the
+        copy instead. True if the move took effect."""
+        req, loan = m.req, m.loan
+        creditor = self.instances[loan.creditor]
+        first = req.shards[0] if req.shards else None
+        ok = (not req.finished and first is not None and first.node == m.node
+              and first.start == m.start and first.length > m.count
+              and loan.debtor_node not in {s.node for s in req.shards}
+              and creditor.scheduler.free[loan.creditor_node] >= m.count)
+        if not ok:
+            creditor.nodes[loan.creditor_node].free_range(req.req_id, m.start,
+                                                                 m.start + m.count)
+            self.gmanager.call("abort", m.res_id)
+            return False
+        self.lend(loan, m.count)
+        creditor.rmanager.ack(m.res_id)
+        src = self.instances[m.cmd.src]
+        src.scheduler.move_prefix(req, loan.debtor_node, m.count)
+        src.nodes[m.node].free_range(req.req_id, m.start, m.start + m.count)
+        self.moves += 1
+        return True
+
+
+class _Lender:
+    """An instance's :class:`lamina.engine.scheduler.Lender`: the deployment's gManager and loans."""
+
+    def __init__(self, deployment: Deployment, inst_id: int):
+        self.deployment = deployment
+        self.inst_id = inst_id
+
+    def cluster_slots(self) -> int:
+        return sum(sum(inst.physical) for inst in self.deployment.instances)
+
+    def borrow(self, req: Request, num_slots: int) -> bool:
+        return self.deployment.borrow(self.inst_id, req, num_slots)

@@ -1,0 +1,221 @@
+"""The engine: requests in, tokens out. One scheduler, the compute replicas, one memory pool.
+
+Each ``step()`` forms a StepPlan (continuous batching, chunked prefill) and its per-node routes
+for every free micro-batch slot, has the compute replicas (a :class:`~lamina.engine.worker.WorkerClient`,
+in this process or in a Ray actor) run them, and applies stop conditions to the micro-batches that
+finish. With ``n`` slots (staggered pipelining, :mod:`lamina.computenode.executor`) a request belongs to at
+most one micro-batch in flight, and a micro-batch is re-formed as soon as it finishes.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from lamina.engine.request import Request
+from lamina.transport.node_client import NodeClient
+from lamina.computenode.attend import NodeRoute, build_routes
+from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler, SchedulerConfig
+from lamina.types import SamplingParams, Segment, StepPlan
+from lamina.engine.worker import WorkerClient
+
+
+@dataclass
+class MicroBatch:
+    """One in-flight iteration: its plan, segments and per-node routes."""
+
+    plan: StepPlan
+    segs: list[ScheduledSegment]
+    routes: list[NodeRoute]
+
+
+@dataclass
+class StepOutput:
+    """Tokens produced by one step: ``new_tokens[req_id]`` and the requests that finished."""
+
+    new_tokens: dict[int, int] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, worker: WorkerClient, capacities: list[int], config: SchedulerConfig,
+                 eos_token_ids: set[int] | None = None, tokenizer=None,
+                 vocab_size: int | None = None, id_base: int = 0, lender: Lender | None = None):
+        """``id_base`` starts this engine's request and step ids, so engines whose pools lend
+        to each other never share an id on a memory node; ``lender`` (cluster borrowing)
+        supplies KV space beyond ``capacities``."""
+        self.worker = worker
+        self.vocab_size = vocab_size
+        self.scheduler = Scheduler(capacities, config, lender)
+        self.eos = set(eos_token_ids or ())
+        self.tokenizer = tokenizer
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count(id_base)
+        self._steps = itertools.count(id_base)
+        self._in_flight: dict[int, MicroBatch] = {}  # slot -> micro-batch
+        self._aborted: dict[int, Exception] = {}  # req_id -> error, applied at completion
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; raises ValueError (nothing queued) if it can never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        vocab = self.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or (vocab and t >= vocab) for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        req = Request(next(self._ids), list(prompt_ids), params)
+        self.scheduler.add(req)
+        self.requests[req.req_id] = req
+        return req
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._in_flight)
+
+    def busy(self) -> set[int]:
+        """Requests in a micro-batch in flight (their KV must not move)."""
+        return {s.req.req_id for mb in self._in_flight.values() for s in mb.segs}
+
+    def attach(self, client: NodeClient, capacity: int) -> int:
+        """Another pool's node, of which ``capacity`` slots are lent to this engine; returns its
+        index in this engine's routes and scheduler."""
+        index = self.worker.attach(client)
+        if self.scheduler.add_node(capacity) != index:
+            raise RuntimeError("worker and scheduler disagree on the number of memory nodes")
+        return index
+
+    # -- one iteration -----------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        """Fill every free micro-batch slot with a newly formed micro-batch, then wait until at
+        least one micro-batch in flight finishes its iteration and apply its tokens. With one
+        slot (no pipelining) this is one iteration of the single batch. A worker error drops
+        every micro-batch in flight and propagates."""
+        out = StepOutput()
+        self.start_step(out)
+        self.finish_step(out)
+        return out
+
+    def start_step(self, out: StepOutput) -> None:
+        """The first half of :meth:`step`: schedule and submit (a remote worker runs the step
+        while the caller goes on, e.g. with other instances' steps)."""
+        self._fill(out)
+
+    def finish_step(self, out: StepOutput) -> None:
+        """The second half of :meth:`step`: wait for a micro-batch and apply its tokens."""
+        if not self._in_flight:
+            return
+        try:
+            done = self.worker.wait()
+        except BaseException:
+            self.worker.reset()
+            self._in_flight.clear()
+            raise
+        for slot, tokens in done:
+            self._complete(self._in_flight.pop(slot), tokens, out)
+
+    def forget(self, req_id: int) -> None:
+        """Drop a finished request from ``requests`` (its caller has read it)."""
+        self.requests.pop(req_id, None)
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def kv_slots(self) -> tuple[list[int], list[int]]:
+        """(used, capacity) KV slots of each of this engine's memory nodes (asks the nodes)."""
+        return [s.used_slots for s in self.worker.stats()], list(self.scheduler.capacity)
+
+    def _fill(self, out: StepOutput) -> None:
+        n = self.worker.micro_batches
+        cfg = self.scheduler.config
+        for slot in range(n):
+            if slot in self._in_flight:
+                continue
+            busy = self.busy()
+            max_seqs = None
+            if n > 1:  # spread the requests over the micro-batches
+                active = len(self.scheduler.running) + len(self.scheduler.waiting)
+                max_seqs = max(1, min(cfg.max_num_seqs, -(-active // n)))
+            segs, preempted = self.scheduler.schedule(busy, max_seqs, cfg.max_num_seqs * n)
+            out.finished.extend(r for r in preempted if r.finished)  # failed: out of KV memory
+            self._free([r.req_id for r in preempted])
+            if not segs:
+                return
+            mb = self._form(segs, slot)
+            sampled = [s for s in mb.segs if s.sample]
+            self.worker.submit(slot, mb.plan, mb.routes, [s.req.req_id for s in sampled],
+                               [s.req.params for s in sampled])
+            self._in_flight[slot] = mb
+
+    def _complete(self, mb: MicroBatch, tokens: list[int], out: StepOutput) -> None:
+        segs = mb.segs
+        self.scheduler.commit(segs)
+        finished_ids = []
+        for seg, tok in zip([s for s in segs if s.sample], tokens):
+            req = seg.req
+            if req.req_id in self._aborted:
+                continue
+            req.output_ids.append(tok)
+            out.new_tokens[req.req_id] = tok
+            reason = self._stop_reason(req, tok)
+            if reason:
+                self.scheduler.finish(req, reason)
+                finished_ids.append(req.req_id)
+                out.finished.append(req)
+        self._free(finished_ids)
+        for seg in segs:  # aborted while in flight: now its KV can go
+            error = self._aborted.pop(seg.req.req_id, None)
+            if error is not None:
+                self.abort(seg.req, error)
+
+    def _form(self, segs: list[ScheduledSegment], slot: int = 0) -> MicroBatch:
+        """The micro-batch of ``segs``, ordered by the nodes holding each request (stable), so
+        that each node's rows are one run of the step's rows and ATTEND/RESULT need no gather."""
+        segs = sorted(segs, key=lambda s: (s.req.shards[0].node, s.req.shards[-1].node)
+                      if s.req.shards else (-1, -1))
+        ids, pos, rows = [], [], []
+        for s in segs:
+            ids.extend(s.req.all_ids[s.start:s.start + s.num_tokens])
+            pos.extend(range(s.start, s.start + s.num_tokens))
+            if s.sample:
+                rows.append(len(ids) - 1)
+        step_id = next(self._steps)
+        plan = StepPlan(step_id, slot, [Segment(s.req.req_id, s.start, s.num_tokens) for s in segs],
+                        torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+                        torch.tensor(rows, dtype=torch.long))
+        return MicroBatch(plan, segs, build_routes(segs))
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and tok in self.eos:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            if any(s in text for s in p.stop):
+                return "stop"
+        if len(req.output_ids) >= p.max_tokens:
+            return "length"
+        limit = self.scheduler.config.max_model_len
+        if limit is not None and req.num_tokens >= limit:
+            return "length"
+        return None
+
+    def _free(self, req_ids: list[int]) -> None:
+        if req_ids:
+            self.worker.free(req_ids, release=req_ids)
+
+    def abort(self, req: Request, error: Exception) -> None:
+        """Finish ``req`` with ``error`` and free its KV; a request in a micro-batch in flight is
+        finished when that micro-batch completes (its last token is dropped)."""
+        if req.finished:
+            return
+        if any(s.req is req for mb in self._in_flight.values() for s in mb.segs):
+            self._aborted[req.req_id] = error
+            return
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        self.scheduler.finish(req, "error")
+        req.error = error
+        self._free([req.req_id])

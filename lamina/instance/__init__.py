@@ -1,0 +1,181 @@
+"""One instance type, placed three ways (DESIGN.md §4).
+
+An instance is one engine (scheduler) + ``C`` compute replicas + ``M`` memory nodes. The
+memory-node server and the compute-replica server are the same code under every placement; the
+placement only decides where each role runs and which channel connects them:
+
+* ``inproc``: both in the engine's process (``InProcessNode`` + the pipelined executor; local
+  calls, no copy; the replicas share the weights);
+* ``procs``: each role an OS process on this host (:class:`~lamina.instance.launcher.ProcessLauncher`);
+* ``ray``: each role a Ray actor (:class:`~lamina.instance.ray_actors.RayLauncher`).
+
+Out of process, the engine talks to the replicas through :class:`~lamina.instance.procs.RemoteReplicas`
+and to the nodes through :class:`~lamina.transport.node_client.RemoteNode` (FREE, STATS, KV
+moves); memory nodes reply to the replica that runs the next slice. Request and step ids of
+instance ``i`` start at ``i * ID_STRIDE`` and its replicas are peers ``i * PEER_STRIDE + r`` on
+memory nodes, so instances that share a node (borrowing) never collide.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lamina.computenode.replica import ComputeReplica
+from lamina.computenode.sampling import Sampler
+from lamina.computenode.server import ReplicaConfig
+from lamina.config import CacheConfig, DeploymentConfig
+from lamina.engine.engine import Engine
+from lamina.engine.worker import LocalWorker, ReplicaWorker
+from lamina.instance.launcher import Launcher
+from lamina.memnode import KVPool, MemoryNode
+from lamina.models import eos_token_ids, load_model
+from lamina.splitter import SplitModel, split_model
+from lamina.timeline import Timeline
+from lamina.transport.node_client import InProcessNode, NodeClient
+from lamina.types import AttentionSpec
+
+ID_STRIDE = 1 << 40  # request/step ids of instance i start at i * ID_STRIDE
+PEER_STRIDE = 1 << 16  # replica r of instance i is peer i * PEER_STRIDE + r on memory nodes
+
+
+@dataclass
+class ModelInfo:
+    """What the engine side knows of the model, whatever the placement: the split (run by
+    in-process replicas; its specs size the KV pools), tokenizer, stop ids and limits."""
+
+    split: SplitModel
+    dtype: torch.dtype
+    tokenizer: Any
+    eos: set[int]
+    vocab_size: int | None
+    max_model_len: int | None
+
+    @property
+    def specs(self) -> list[AttentionSpec]:
+        return self.split.specs
+
+
+def load_model_info(config: DeploymentConfig) -> ModelInfo:
+    """Load and split the model once, on the compute device."""
+    loaded = load_model(config.model.model, dtype=config.model.torch_dtype,
+                        device=config.instance.device)
+    cfg = getattr(loaded.model, "config", None)
+    return ModelInfo(split_model(loaded.model), loaded.dtype, loaded.tokenizer,
+                     eos_token_ids(loaded.model, loaded.tokenizer),
+                     getattr(cfg, "vocab_size", None),
+                     getattr(cfg, "max_position_embeddings", None))
+
+
+def node_capacity(specs: list[AttentionSpec], dtype: torch.dtype, cache: CacheConfig) -> int:
+    """KV slots per memory node: ``kv_cache_tokens``, else what ``kv_cache_gb`` holds."""
+    if cache.kv_cache_tokens is not None:
+        return int(cache.kv_cache_tokens)
+    s = specs[0]
+    cap = KVPool.capacity_for_bytes(int(cache.kv_cache_gb * (1 << 30)), len(specs),
+                                    s.num_kv_heads, s.head_dim, dtype)
+    if cap < 1:
+        raise ValueError(f"kv_cache_gb={cache.kv_cache_gb} holds no token of this model")
+    return cap
+
+
+@dataclass
+class Instance:
+    """One engine with its replicas and memory pool, as the deployment sees it. ``nodes`` are
+    the engine-side clients of the instance's own nodes (FREE, STATS, EXPORT/IMPORT when KV
+    moves); ``closers`` stop its roles (replicas first); ``physical`` are the own nodes' real
+    capacities (the scheduler's change as slots are lent)."""
+
+    inst_id: int
+    engine: Engine
+    nodes: list[NodeClient]
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    physical: list[int] = field(default_factory=list)
+    rmanager: Any = None  # a lamina.deployment.borrowing.RManager, with borrowing
+    failed: BaseException | None = None
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def own_nodes(self) -> int:
+        return len(self.nodes)
+
+    def load(self) -> int:
+        s = self.scheduler
+        return len(s.running) + len(s.waiting)
+
+    def share(self, k: int) -> NodeClient:
+        """A client of own node ``k`` for another instance's replicas (borrowing): a new
+        in-process handle, or this engine's client of a remote node, through which the
+        debtor's replicas open peer channels of their own."""
+        client = self.nodes[k]
+        if isinstance(client, InProcessNode):
+            return InProcessNode(client.node, f"instance {self.inst_id} {client.name}")
+        return client
+
+    def close(self) -> None:
+        """Stop every role of the instance (replicas, then nodes). Safe to call twice."""
+        while self.closers:
+            try:
+                self.closers.pop(0)()
+            except Exception:
+                pass
+
+
+def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
+                   launcher: Launcher | None, timeline: Timeline | None = None) -> Instance:
+    """Start instance ``inst_id`` of ``config`` (its roles placed by ``launcher``; None for
+    ``inproc``) and return it; on failure nothing it started is left running."""
+    icfg = config.instance
+    cap = node_capacity(info.specs, info.dtype, config.cache)
+    if icfg.placement == "inproc":
+        nodes: list[NodeClient] = [
+            InProcessNode(MemoryNode(info.specs, cap, slab_size=config.cache.slab_size,
+                                     dtype=info.dtype, device=icfg.node_device),
+                          name=f"memory node {k}") for k in range(icfg.memory)]
+        sampler = Sampler()
+        replicas = [ComputeReplica(info.split, icfg.device, sampler) for _ in range(icfg.compute)]
+        worker = LocalWorker(ReplicaWorker(replicas, nodes, icfg.pipeline, timeline))
+        closers: list[Callable[[], None]] = []
+    else:
+        from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
+        nodes = start_memory_nodes(launcher, info.specs, icfg.memory, cap,
+                                   device=icfg.node_device, dtype=info.dtype,
+                                   slab_size=config.cache.slab_size, transport=icfg.transport,
+                                   num_threads=icfg.num_threads)
+        closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
+        template = ReplicaConfig(config.model.model, icfg.device,
+                                 str(info.dtype).removeprefix("torch."), 0, 1, "none",
+                                 num_threads=icfg.num_threads, peer_base=inst_id * PEER_STRIDE)
+        try:
+            worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline,
+                                    num_slices=len(info.split.slices), transport=icfg.transport,
+                                    timeline=timeline)
+        except BaseException:
+            closers[0]()
+            raise
+        closers.insert(0, worker.close)  # replicas stop before the nodes
+    scheduler = config.scheduler
+    if scheduler.max_model_len is None:
+        scheduler = type(scheduler)(scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
+                                    info.max_model_len)
+    engine = Engine(worker, [cap] * icfg.memory, scheduler, info.eos, info.tokenizer,
+                    info.vocab_size, id_base=inst_id * ID_STRIDE)
+    return Instance(inst_id, engine, nodes, closers, [cap] * icfg.memory)
+
+
+def launcher_for(config: DeploymentConfig) -> Launcher | None:
+    """The launcher of ``config``'s placement (None for ``inproc``). A Ray launcher starts (or
+    joins) Ray with the custom resources every instance's roles ask for."""
+    icfg = config.instance
+    if icfg.placement == "inproc":
+        return None
+    if icfg.placement == "procs":
+        from lamina.instance.launcher import ProcessLauncher
+        return ProcessLauncher()
+    from lamina.instance.ray_actors import RayLauncher
+    return RayLauncher(icfg.address, {"lamina_compute": icfg.compute * config.instances,
+                                      "lamina_memory": icfg.memory * config.instances})

@@ -1,0 +1,82 @@
+"""Where a role runs: the launcher seam of a placement (DESIGN.md §4).
+
+A launcher starts a role's entry point ``target(endpoint, config)`` (the memory-node server or
+the compute-replica server) somewhere and returns a :class:`RoleHandle`: ``pid``,
+``is_alive()``, ``join(timeout)``, ``terminate()``, ``kill()`` and ``where`` (``{"node_id",
+"ip"}``, the host it runs on). ``procs`` starts OS processes (:class:`ProcessLauncher`),
+``ray`` Ray actors (:class:`lamina.instance.ray_actors.RayLauncher`). Arguments are
+control-plane set-up (an endpoint, a plain-data config), never tensors.
+
+:meth:`Launcher.control_link` says which backend the engine's own channel to a role uses
+(the engine opens it before the role exists): shm on one host, tcp bound to the engine's
+address when roles may land on other hosts.
+"""
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any, Callable, Protocol
+
+from lamina.omp import warn_if_spinning
+
+LOCAL = {"node_id": "local", "ip": "127.0.0.1"}  # where every role of one host runs
+
+
+class RoleHandle(Protocol):
+    pid: int | None
+    where: dict[str, Any]
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class Launcher(Protocol):
+    here: dict[str, Any]  # where the engine (this process) runs
+
+    def start(self, target: Callable[..., Any], args: tuple, name: str, *, role: str,
+              device: str) -> RoleHandle: ...
+
+    def control_link(self, transport: str) -> tuple[str, str]: ...
+
+    def close(self) -> None: ...
+
+
+class ProcessLauncher:
+    """Roles as OS processes on this host, started with the ``spawn`` context (safe with
+    threads and CUDA); they are daemonic, so none outlives the engine's process."""
+
+    here = LOCAL
+
+    def __init__(self) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+
+    def start(self, target: Callable[..., Any], args: tuple, name: str, *, role: str = "",
+              device: str = "cpu") -> RoleHandle:
+        warn_if_spinning()
+        p = self.ctx.Process(target=target, args=args, name=name, daemon=True)
+        p.start()
+        p.where = LOCAL
+        return p
+
+    def control_link(self, transport: str) -> tuple[str, str]:
+        if transport == "tcp":
+            return "tcp", "127.0.0.1"
+        return "shm", "127.0.0.1"
+
+    def close(self) -> None:
+        pass
+
+
+def stop_role(p: RoleHandle, timeout: float = 5.0) -> None:
+    """Wait for ``p`` to exit, then terminate, then kill: no orphan survives."""
+    p.join(timeout)
+    if p.is_alive():
+        p.terminate()
+        p.join(timeout)
+    if p.is_alive():
+        p.kill()
+        p.join(timeout)

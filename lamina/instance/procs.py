@@ -1,0 +1,300 @@
+"""Roles out of the engine's process (placements ``procs`` and ``ray``): starting them, and the
+engine's :class:`RemoteReplicas` worker that runs staggered pipelining across them (DESIGN.md
+§6). The servers are :mod:`lamina.memnode.server` and :mod:`lamina.computenode.server`; where
+they run is the launcher's business (:mod:`lamina.instance.launcher`).
+
+Start-up, written once for both roles (:func:`start_roles`): the engine opens a control channel
+per role, the launcher starts the role with its endpoint and config, and every role must answer
+a PING within ``START_TIMEOUT_S``; any failure stops whatever was started.
+
+Wiring of ``N`` replicas (each loads and splits the model itself): every memory node opens one
+peer channel per replica (OPEN on the node's primary channel; the replica joins it with
+CONNECT); every replica opens a channel for its predecessor's contexts (a ring; none when
+``N == 1``). Each link is shm when both ends share a host, else tcp (:func:`link_kind`).
+
+Per micro-batch: the engine draws its sampling uniforms (so seeded requests sample the same
+whichever replica samples them), sends the STEP to every replica that runs one of its slices,
+and receives TOKENS from the replica that runs the last one. Between slices, contexts go from
+replica to replica and attention results from the nodes straight to the next replica: nothing
+of the hot path passes through the engine. FREE goes from the engine to the nodes and is
+waited for, so no replica reuses slots a node has not freed yet. Borrowing attaches another
+instance's node: each replica joins a new peer channel of it (:meth:`RemoteReplicas.attach`).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import Any, Callable
+
+import torch
+
+from lamina.computenode.executor import PipelineConfig
+from lamina.computenode.sampling import Sampler
+from lamina.computenode.schedule import replica_for
+from lamina.computenode.server import ReplicaConfig, serve_replica
+from lamina.engine.worker import WorkerClient, WorkerTimes
+from lamina.errors import NodeFailure
+from lamina.instance.launcher import Launcher, RoleHandle, stop_role
+from lamina.memnode.server import node_config, serve_node
+from lamina.timeline import Timeline
+from lamina.transport import codec
+from lamina.transport.base import REPLY_TIMEOUT_S, START_TIMEOUT_S, ChannelClosed, PeerDied
+from lamina.transport.endpoint import link_kind, listen
+from lamina.transport.node_client import RemoteNode
+from lamina.transport.step_codec import parse_tokens, step_message
+from lamina.transport.wire import Message, MsgKind
+from lamina.types import AttentionSpec, NodeStats, SamplingParams, StepPlan
+
+CONTROL_STEP = -1  # step id of control requests sent while steps are in flight
+
+
+def start_roles(launcher: Launcher, target: Callable[..., Any], configs: list[dict], *,
+                role: str, device: str, transport: str) -> tuple[list[RoleHandle], list]:
+    """Start one ``role`` (``compute`` or ``memory``) per config and wait until each answers
+    a PING; returns their handles and the engine's control channels to them. On any failure
+    every role started is stopped and the error propagates."""
+    handles: list[RoleHandle] = []
+    channels: list = []
+    try:
+        for i, cfg in enumerate(configs):
+            lst = listen(*launcher.control_link(transport))
+            handles.append(launcher.start(target, (lst.endpoint, cfg),
+                                          f"lamina-{role}-{i}", role=role, device=device))
+            ch = lst.channel()
+            ch.set_peer_alive(handles[-1].is_alive)
+            channels.append(ch)
+        for i, ch in enumerate(channels):
+            try:
+                ch.send(codec.ping())
+                codec.raise_if_error(ch.recv(START_TIMEOUT_S))
+            except (PeerDied, ChannelClosed, TimeoutError) as e:
+                raise NodeFailure(f"{role} role {i} did not start: {e}") from e
+    except BaseException:
+        stop_roles(handles, channels)
+        raise
+    return handles, channels
+
+
+def stop_roles(handles: list[RoleHandle], channels: list) -> None:
+    """SHUTDOWN every role still alive, then stop each (join, terminate, kill)."""
+    for ch, h in zip(channels, handles):
+        if h.is_alive() and not ch.closed:
+            try:
+                ch.send(codec.shutdown())
+            except Exception:
+                pass
+    for h in handles:
+        stop_role(h)
+    for ch in channels:
+        ch.close()
+
+
+def start_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], memory: int,
+                       capacity: int, *, device: str, dtype: torch.dtype, slab_size: int,
+                       transport: str, num_threads: int = 1, first: int = 0) -> list[RemoteNode]:
+    """``memory`` memory-node servers of ``capacity`` slots each; the engine's clients of them
+    (``client.process`` is the role's handle; the caller stops it)."""
+    config = node_config(specs, capacity, device, dtype, slab_size, num_threads)
+    handles, channels = start_roles(launcher, serve_node, [config] * memory, role="memory",
+                                    device=device, transport=transport)
+    return [RemoteNode(ch, h, f"memory node {first + i}")
+            for i, (h, ch) in enumerate(zip(handles, channels))]
+
+
+class RemoteReplicas(WorkerClient):
+    """``config.replicas`` compute-replica servers started by ``launcher``, wired to ``nodes``
+    (the engine's clients of memory-node servers, owned by the caller) and to each other.
+    ``replica`` is the template of every replica's :class:`ReplicaConfig` (model, device,
+    dtype, threads, peer base); :meth:`close` stops the replicas."""
+
+    def __init__(self, launcher: Launcher, replica: ReplicaConfig, nodes: list[RemoteNode],
+                 config: PipelineConfig, *, num_slices: int, transport: str = "auto",
+                 timeline: Timeline | None = None):
+        self.config = config
+        self.micro_batches = config.micro_batches
+        self.nodes = list(nodes)  # own pool's nodes, then attached (borrowed) ones
+        self.num_slices = num_slices
+        self.timeline = timeline
+        self.transport = transport
+        self.peer_base = replica.peer_base
+        self.sampler = Sampler()
+        self.inbox: queue.Queue = queue.Queue()
+        self.held: deque = deque()  # (replica, message) read by _request for wait()
+        self.pending: dict[int, int] = {}  # step id -> slot
+        self.max_in_flight = 0  # most micro-batches in flight at once so far
+        self.dead: dict[int, NodeFailure] = {}  # replicas found gone (their reader ended)
+        self._times = WorkerTimes()
+        configs = [asdict(ReplicaConfig(**{**asdict(replica), "index": i,
+                                           "replicas": config.replicas,
+                                           "schedule": config.schedule,
+                                           "attn_parts": config.attn_parts,
+                                           "trace": timeline is not None}))
+                   for i in range(config.replicas)]
+        self.procs, self.channels = start_roles(launcher, serve_replica, configs, role="compute",
+                                                device=replica.device, transport=transport)
+        try:
+            self._wire()
+        except BaseException:
+            self.close()
+            raise
+        for i, ch in enumerate(self.channels):
+            threading.Thread(target=self._read, args=(i, ch), daemon=True).start()
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _call(self, i: int, msg: Message, timeout: float = REPLY_TIMEOUT_S) -> Message:
+        try:
+            self.channels[i].send(msg)
+            return codec.raise_if_error(self.channels[i].recv(timeout))
+        except (PeerDied, ChannelClosed, TimeoutError) as e:
+            raise self._dead(i, e) from e
+
+    def _request(self, i: int, msg: Message) -> Message:
+        """A control request once the readers run (micro-batches may be in flight): the reply
+        is the next message of replica ``i`` tagged ``CONTROL_STEP``; whatever else arrives
+        meanwhile is held for :meth:`wait`."""
+        try:
+            self.channels[i].send(msg)
+        except (PeerDied, ChannelClosed, TimeoutError) as e:
+            raise self._dead(i, e) from e
+        while True:
+            try:
+                j, reply = self.inbox.get(timeout=REPLY_TIMEOUT_S)
+            except queue.Empty:
+                raise self._dead(i, TimeoutError(f"no reply in {REPLY_TIMEOUT_S:.0f} s")) from None
+            if j == i and isinstance(reply, BaseException):
+                raise self._dead(i, reply)
+            if j == i and reply.step_id == CONTROL_STEP:
+                return codec.raise_if_error(reply)
+            self.held.append((j, reply))
+
+    def _dead(self, i: int, e: BaseException) -> NodeFailure:
+        code = getattr(self.procs[i], "exitcode", None)
+        return NodeFailure(f"compute replica {i} (pid {self.procs[i].pid}) is gone"
+                           + (f", exit code {code}" if code is not None else "") + f": {e}")
+
+    def _wire(self) -> None:
+        n = self.config.replicas
+        nexts = [None] * n
+        if n > 1:
+            for i in range(n):
+                j = (i + 1) % n  # opens the channel that i joins
+                link = link_kind(self.transport, self.procs[j].where, self.procs[i].where)
+                msg = Message(MsgKind.OPEN, meta={"kind": link[0], "host": link[1]})
+                nexts[i] = self._call(j, msg).meta["endpoint"]
+        for i in range(n):
+            nodes = [self._peer_endpoint(node, i) for node in self.nodes]
+            self._call(i, Message(MsgKind.CONNECT, meta={"nodes": nodes, "next": nexts[i]}))
+
+    def _peer_endpoint(self, node: RemoteNode, i: int) -> dict:
+        """A new peer channel of ``node`` for replica ``i`` to join."""
+        kind, host = link_kind(self.transport, node.process.where, self.procs[i].where)
+        return node.open_peer(self.peer_base + i, kind, host)
+
+    def attach(self, client: RemoteNode) -> int:
+        """Borrowing: another instance's node (its engine-side client, in this process) joins
+        every replica's nodes; returns its index in routes. Called between steps."""
+        for i in range(self.config.replicas):
+            ep = self._peer_endpoint(client, i)
+            self._request(i, Message(MsgKind.CONNECT, CONTROL_STEP, meta={"nodes": [ep],
+                                                                          "next": None}))
+        self.nodes.append(client)
+        return len(self.nodes) - 1
+
+    def _read(self, i: int, ch) -> None:
+        try:
+            while True:
+                self.inbox.put((i, ch.recv()))
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            self.inbox.put((i, e))
+
+    # -- WorkerClient ----------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, routes, req_ids, params) -> list[int]:
+        self.submit(plan.micro_batch, plan, routes, req_ids, params)
+        return self.wait()[0][1]
+
+    def submit(self, slot: int, plan: StepPlan, routes, req_ids: list[int],
+               params: list[SamplingParams]) -> None:
+        if not 0 <= slot < self.micro_batches or slot in self.pending.values():
+            raise ValueError(f"micro-batch slot {slot} is busy or out of range")
+        if plan.micro_batch != slot:
+            raise ValueError(f"plan of micro-batch {plan.micro_batch} submitted to slot {slot}")
+        msg = step_message(plan, routes, req_ids, params, self.sampler.draw(req_ids, params))
+        if self.dead:
+            raise next(iter(self.dead.values()))
+        n = self.config.replicas
+        runs = {replica_for(self.config.schedule, slot, k, n) for k in range(self.num_slices)}
+        for i in sorted(runs):
+            try:
+                self.channels[i].send(msg)
+            except (PeerDied, ChannelClosed, TimeoutError) as e:
+                raise self._dead(i, e) from e
+        self.pending[plan.step_id] = slot
+        self.max_in_flight = max(self.max_in_flight, len(self.pending))
+
+    def wait(self) -> list[tuple[int, list[int]]]:
+        """The next micro-batch to finish: ``[(slot, tokens)]``. A replica's ERROR for a step
+        in flight (or a replica that died) raises; answers for steps no longer in flight (a
+        duplicate error, a step dropped by :meth:`reset`) are skipped."""
+        start = time.perf_counter()
+        while self.pending:
+            if self.dead:
+                raise next(iter(self.dead.values()))
+            try:
+                i, msg = self.held.popleft() if self.held else self.inbox.get(
+                    timeout=REPLY_TIMEOUT_S)
+            except queue.Empty:
+                raise NodeFailure(f"no compute replica answered in {REPLY_TIMEOUT_S:.0f} s") from None
+            if isinstance(msg, BaseException):
+                self.dead[i] = self._dead(i, msg)
+                continue
+            if msg.step_id not in self.pending:
+                continue
+            slot = self.pending.pop(msg.step_id)
+            elapsed = time.perf_counter() - start
+            self._times.wait_s += elapsed
+            self._times.execute_s += elapsed  # the engine's time in this worker
+            codec.raise_if_error(msg)
+            self._times.steps += 1
+            self._record(msg.meta.get("spans", []))
+            return [(slot, parse_tokens(msg))]
+        return []
+
+    def reset(self) -> None:
+        """Forget the micro-batches in flight, here and on every replica (RESET; the replicas
+        then drop late messages of those steps). Their steps stay prepared on the memory nodes,
+        as after a reset of the in-process executor."""
+        self.pending.clear()
+        for i, ch in enumerate(self.channels):
+            if i not in self.dead:
+                try:
+                    ch.send(Message(MsgKind.RESET))
+                except (PeerDied, ChannelClosed, TimeoutError) as e:
+                    self.dead[i] = self._dead(i, e)
+
+    def times(self) -> WorkerTimes:
+        """``steps`` finished micro-batches; ``wait_s`` the engine's time blocked on them (the
+        replicas' own times are in the timeline, with ``trace``)."""
+        return self._times
+
+    def free(self, req_ids: list[int], release: list[int]) -> None:
+        for r in release:
+            self.sampler.release(r)
+        if req_ids:
+            for node in self.nodes:
+                node.free(req_ids, wait=True)
+
+    def stats(self) -> list[NodeStats]:
+        return [n.stats() for n in self.nodes]
+
+    def close(self) -> None:
+        stop_roles(self.procs, self.channels)
+        self.procs, self.channels = [], []
+
+    def _record(self, spans: list) -> None:
+        if self.timeline is None:
+            return
+        for role, track, name, start, end, slot, step in spans:
+            self.timeline.add(role, int(track), name, start, end, micro_batch=slot, step=step)

@@ -1,0 +1,49 @@
+"""Prometheus exposition of :class:`~lamina.server.async_engine.EngineMetrics` (``/metrics``)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _Exporter:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("lamina_requests_running", "Requests being generated", registry=r)
+        self.waiting = Gauge("lamina_requests_waiting", "Requests waiting for admission", registry=r)
+        self.kv_used = Gauge("lamina_kv_slots_used", "KV slots in use", ["node"], registry=r)
+        self.kv_cap = Gauge("lamina_kv_slots_capacity", "KV slots in total", ["node"], registry=r)
+        self.gen = Counter("lamina_generated_tokens", "Tokens generated", registry=r)
+        self.prompt = Counter("lamina_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.finished = Counter("lamina_requests_finished", "Finished requests", ["reason"],
+                                registry=r)
+        self.ttft = Histogram("lamina_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tbt = Histogram("lamina_time_between_tokens_seconds", "Time between tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._seen = {"gen": 0, "prompt": 0}
+        self._finished_seen: dict[str, int] = {}
+
+
+_EXPORTERS: dict[int, _Exporter] = {}
+
+
+def render_metrics(m) -> bytes:
+    """Fold the engine's counters and latency samples into Prometheus metrics and render them."""
+    ex = _EXPORTERS.setdefault(id(m), _Exporter())
+    ex.running.set(m.running)
+    ex.waiting.set(m.waiting)
+    for i, (used, cap) in enumerate(zip(m.kv_used_slots, m.kv_capacity_slots)):
+        ex.kv_used.labels(node=str(i)).set(used)
+        ex.kv_cap.labels(node=str(i)).set(cap)
+    ex.gen.inc(m.generated_tokens - ex._seen["gen"])
+    ex.prompt.inc(m.prompt_tokens - ex._seen["prompt"])
+    ex._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens)
+    for reason, n in list(m.finished.items()):
+        ex.finished.labels(reason=reason).inc(n - ex._finished_seen.get(reason, 0))
+        ex._finished_seen[reason] = n
+    for samples, hist in ((m.ttft_s, ex.ttft), (m.tbt_s, ex.tbt)):
+        while samples:
+            hist.observe(samples.pop())
+    return generate_latest(ex.registry)

@@ -1,0 +1,163 @@
+"""The memory-node server: one :class:`~lamina.memnode.MemoryNode` answering the wire protocol,
+the same code under every placement (a process of its own, a Ray actor).
+
+Requests get one reply each, in order: PREPARE/FREE/IMPORT/PING -> OK, ATTEND -> RESULT,
+STATS -> STATS, EXPORT -> KV, OPEN -> OK with a peer channel's endpoint, SHUTDOWN -> OK then
+exit. FREE names either requests (all their KV) or one position range of one request (what a
+KV move leaves behind). A failing request gets an ERROR reply tagged with its step and layer
+(the node is unchanged: see MemoryNode's all-or-nothing contract) and serving goes on.
+
+Channels: the *primary* one, opened by whoever started the node (the engine's: PREPARE-free
+requests, FREE, STATS, EXPORT/IMPORT, OPEN), and one *peer* channel per compute replica that
+reaches the node (its own instance's replicas and, with borrowing, other instances'). On a peer
+channel an ATTEND's reply goes to the peer named by its ``reply_to`` (the replica that runs the
+micro-batch's next slice, DESIGN.md §6); every other reply goes to the sender. One lock
+serialises the node and every send on a peer channel, so each ring has one producer. The server
+exits when the primary channel's peer is gone, so it never outlives the engine.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from lamina.errors import NodeFailure
+from lamina.memnode.node import MemoryNode
+from lamina.transport import codec
+from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
+from lamina.transport.endpoint import Listening, connect, listen
+from lamina.transport.wire import Message, MsgKind
+from lamina.types import AttentionSpec
+
+codec.register_error(NodeFailure)
+
+
+def handle(node: MemoryNode, msg: Message) -> Message:
+    """One request -> one reply (see module docstring). Exceptions become ERROR replies."""
+    try:
+        kind = msg.kind
+        if kind == MsgKind.ATTEND:
+            return codec.to_message(node.attend(codec.from_message(msg)))
+        if kind == MsgKind.PREPARE:
+            node.prepare(codec.from_message(msg))
+            return codec.ok()
+        if kind == MsgKind.FREE:
+            what = codec.from_message(msg)
+            if isinstance(what, tuple):
+                node.free_range(*what)
+                return codec.ok()
+            return codec.ok({"freed": node.free(what)})
+        if kind == MsgKind.STATS:
+            return codec.to_message(node.stats())
+        if kind == MsgKind.EXPORT:
+            return codec.to_message(node.export(*codec.from_message(msg)))
+        if kind == MsgKind.IMPORT:
+            node.import_kv(codec.from_message(msg))
+            return codec.ok()
+        if kind in (MsgKind.PING, MsgKind.SHUTDOWN):
+            return codec.ok({"pid": os.getpid()})
+        raise ValueError(f"memory node cannot handle a {kind.name} message")
+    except Exception as e:  # every failure is the caller's to see, never a crash
+        return error_reply(e, msg)
+
+
+def error_reply(e: BaseException, msg: Message) -> Message:
+    """ERROR for ``msg``, tagged with its step and layer (a replica files it under that step)."""
+    reply = codec.to_message(e)
+    reply.step_id, reply.layer = msg.step_id, msg.layer
+    return reply
+
+
+class NodeServer:
+    """A memory node served on its primary channel and on the peer channels it opens (see the
+    module docstring)."""
+
+    def __init__(self, node: MemoryNode):
+        self.node = node
+        self.lock = threading.Lock()
+        self.peers: dict[int, Listening] = {}
+
+    def serve(self, ch) -> None:
+        """Serve the primary channel until SHUTDOWN or its peer is gone; then close peers."""
+        try:
+            serve_loop(ch, self._primary)
+        finally:
+            with self.lock:
+                peers, self.peers = list(self.peers.values()), {}
+            for p in peers:
+                p.close()
+
+    def _primary(self, msg: Message) -> Message:
+        if msg.kind == MsgKind.OPEN:
+            return self._open(msg)
+        with self.lock:
+            return handle(self.node, msg)
+
+    def _open(self, msg: Message) -> Message:
+        try:
+            peer = int(msg.meta["peer"])
+            lst = listen(msg.meta.get("kind", "shm"), msg.meta.get("host", "127.0.0.1"))
+        except (KeyError, TypeError, ValueError) as e:
+            return codec.to_message(ValueError(f"OPEN needs an int 'peer' and a channel kind: {e}"))
+        with self.lock:
+            old = self.peers.pop(peer, None)
+            self.peers[peer] = lst
+        if old is not None:
+            old.close()
+        threading.Thread(target=self._serve_peer, args=(peer, lst), daemon=True).start()
+        return codec.ok({"endpoint": lst.endpoint})
+
+    def _serve_peer(self, peer: int, lst: Listening) -> None:
+        try:
+            ch = lst.channel()
+            while True:
+                msg = ch.recv()
+                with self.lock:
+                    to = self.peers.get(msg.reply_to) if msg.kind == MsgKind.ATTEND else lst
+                    if to is None:  # checked first: a rejected ATTEND changes nothing
+                        ch.send(error_reply(ValueError(
+                            f"ATTEND reply_to {msg.reply_to}: no such peer"), msg))
+                        continue
+                    reply = handle(self.node, msg)
+                    try:
+                        to.channel().send(reply)
+                    except (PeerDied, ChannelClosed, TimeoutError) as e:
+                        if to is lst:
+                            raise
+                        # the next replica is gone: forget it, tell the sender, go on
+                        self.peers.pop(msg.reply_to, None)
+                        ch.send(error_reply(NodeFailure(
+                            f"compute replica {msg.reply_to} is gone: {e}"), msg))
+        except (PeerDied, ChannelClosed, TimeoutError):
+            pass
+        finally:
+            with self.lock:
+                if self.peers.get(peer) is lst:
+                    del self.peers[peer]
+            lst.close()
+
+
+def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: torch.dtype,
+                slab_size: int, num_threads: int = 1) -> dict[str, Any]:
+    """Everything a memory-node server needs, as plain data (a process argument)."""
+    return {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "num_threads": num_threads}
+
+
+def build_node(config: dict[str, Any]) -> MemoryNode:
+    """A MemoryNode from the plain-data ``config`` made by :func:`node_config`."""
+    specs = [AttentionSpec(**s) for s in config["specs"]]
+    return MemoryNode(specs, config["capacity"], slab_size=config["slab_size"],
+                      dtype=getattr(torch, config["dtype"]), device=config["device"])
+
+
+def serve_node(endpoint: dict[str, Any], config: dict[str, Any]) -> None:
+    """A role's entry point (a process or an actor thread): join the primary channel at
+    ``endpoint``, build the node from ``config``, serve until SHUTDOWN or the engine is gone."""
+    torch.set_num_threads(int(config.get("num_threads", 1)))
+    ch = connect(endpoint)
+    NodeServer(build_node(config)).serve(ch)
