@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-lamina generate --model smollm2 --memory 2 --transport shm --prompt "The capital of France is" --max-tokens 24
+lamina generate --model smollm2 --compute 2 --memory 2 --prompt "The capital of France is" --max-tokens 24

@@ -3,7 +3,7 @@
 It executes steps given by the engine (DESIGN.md §3 steps 2-5): PREPARE to the nodes named
 in the routes, the slices with each layer's attention fanned out to the nodes and merged, and
 sampling; with pipelining, several micro-batches at once (:mod:`lamina.computenode.executor`). The engine
-talks to a worker in this process (:class:`LocalWorker`) or in a Ray actor (:mod:`lamina.cluster`)
+talks to replicas in this process (:class:`LocalWorker`) or out of it (:class:`lamina.instance.procs.RemoteReplicas`)
 through the same calls.
 """
 from __future__ import annotations

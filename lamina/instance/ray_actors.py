@@ -10,6 +10,7 @@ tagged, e.g. ``ray start --head --resources '{"lamina_compute": 2, "lamina_memor
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any, Callable
@@ -126,6 +127,10 @@ def ensure_ray(address: str | None, resources: dict[str, float]) -> bool:
     True if this call started it (its caller then shuts it down)."""
     if ray.is_initialized():
         return False
+    # Ray enables token authentication for a local cluster (good) and says so on the user's
+    # terminal at every start; the notice is Ray's, not an action for a Lamina user.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+        logging.ERROR)
     if address is None:
         ray.init(resources=resources, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)

@@ -3,7 +3,7 @@ own POSIX shared-memory segment (DESIGN.md §5).
 
 Messages are encoded with :mod:`lamina.transport.wire` and *streamed* through the ring: the
 writer copies as much as fits and waits for space, the reader copies what is there into a
-:class:`~lamina.transport.wire.StreamDecoder`, so a message of any size passes through a ring
+:class:`~lamina.transport.stream.StreamDecoder`, so a message of any size passes through a ring
 of any capacity. Decoded tensors own a fresh buffer (never a view of shared memory).
 
 Segment layout and the ring itself: :mod:`lamina.transport.shm_ring`.
@@ -59,8 +59,8 @@ from lamina.transport.shm_ring import (_HEAD, _R_CLOSED, _R_PID, _R_WAIT, _TAIL,
                                       _W_PID, _W_WAIT, RingSpec, ShmChannelSpec, _Doorbell,
                                       _fence, _pid_alive, _release_rings, _Ring,
                                       default_bell_dir)
-from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, StreamDecoder, WireLimits,
-                                   encode)
+from lamina.transport.wire import DEFAULT_LIMITS, Buffer, Message, WireLimits, encode
+from lamina.transport.stream import StreamDecoder
 
 __all__ = ["RingSpec", "ShmChannelSpec", "ShmChannel", "shm_pair", "default_bell_dir"]
 

@@ -1,7 +1,7 @@
 """Across hosts: the wire protocol over a TCP stream (DESIGN.md §5).
 
 ``send`` writes :func:`~lamina.transport.wire.encode`'s buffers with ``sendmsg`` (no copy into
-one big bytes object); ``recv`` fills a :class:`~lamina.transport.wire.StreamDecoder` with
+one big bytes object); ``recv`` fills a :class:`~lamina.transport.stream.StreamDecoder` with
 ``recv_into``, so the limits are checked before anything large is allocated (a malformed or
 over-limit header raises :class:`~lamina.transport.wire.WireError` and poisons the receiving
 direction). ``TCP_NODELAY`` is set: per-layer messages are latency-bound.
@@ -34,8 +34,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
-from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, StreamDecoder, WireLimits,
-                                   encode)
+from lamina.transport.wire import DEFAULT_LIMITS, Buffer, Message, WireLimits, encode
+from lamina.transport.stream import StreamDecoder
 
 __all__ = ["TcpChannel", "TcpListener"]
 

@@ -31,9 +31,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched(*args: str) -> Iterator[tuple[int, str]]:
-    """Run ``lamina launch ARGS --port P``; yields (P, its readiness line). On exit: SIGTERM,
-    a clean "Lamina stopped", and no Ray or lamina process left behind."""
+def launched(*args: str, stop: signal.Signals = signal.SIGINT) -> Iterator[tuple[int, str]]:
+    """Run ``lamina launch ARGS --port P``; yields (P, its readiness line). On exit: ``stop``
+    (SIGINT: Ctrl-C), a clean "Lamina stopped", and no Ray or lamina process left behind."""
     before = lamina_processes()
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "lamina.cli", "launch", *args,
@@ -44,7 +44,7 @@ def launched(*args: str) -> Iterator[tuple[int, str]]:
         assert ready.startswith("Lamina ready: http://127.0.0.1:"), ready
         yield port, ready
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "Lamina stopped" in out
     deadline = time.time() + 30

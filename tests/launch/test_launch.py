@@ -1,6 +1,9 @@
-"""``lamina launch`` end to end with the official ``openai`` client: compute=1, memory=2,
-placed by a local Ray instance; once with the default transport (shm on one host) and once
-forced to tcp, whose outputs must be identical. Shutdown leaves no process behind."""
+"""``lamina launch`` end to end with the official ``openai`` client: two compute replicas
+(rotational pipelining, 3 micro-batches) and two memory nodes placed by a local Ray instance;
+once with the default transport (shm on one host) stopped by Ctrl-C (SIGINT), and once forced
+to tcp stopped by SIGTERM, whose outputs must be identical. Shutdown leaves no process
+behind."""
+import signal
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -17,10 +20,13 @@ RESULTS: dict[str, dict] = {}
 
 @pytest.fixture(scope="module", params=["auto", "tcp"])
 def server(request):
-    with launched("--model", "smollm2", "--compute", "1", "--memory", "2", "--api-key", KEY,
-                  "--transport", request.param, "--kv-cache-tokens", "512") as (port, ready):
-        expect = "tcp/tcp,tcp" if request.param == "tcp" else "shm/shm,shm"
-        assert expect in ready, ready
+    stop = signal.SIGINT if request.param == "auto" else signal.SIGTERM
+    with launched("--model", "smollm2", "--compute", "2", "--memory", "2", "--api-key", KEY,
+                  "--transport", request.param, "--kv-cache-tokens", "512",
+                  stop=stop) as (port, ready):
+        for part in ("placement ray", "compute 2", "memory 2", "pipeline rotational x3",
+                     f"transport {request.param}"):
+            assert part in ready, ready
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY,
                                max_retries=0)
         yield request.param, client, port

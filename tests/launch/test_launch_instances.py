@@ -1,4 +1,5 @@
-"""``lamina launch --instances 2``: two Ray-placed instances behind one router. A prompt
+"""``lamina launch --instances 2 --compute 2 --memory 2``: two Ray-placed instances (each two
+compute replicas, rotational pipelining, and two memory nodes) behind one router. A prompt
 longer than one instance's pool is served by borrowing the other's KV space and matches HF
 greedy output; concurrent requests spread over both instances equal single requests; the
 metrics cover both pools; shutdown leaves nothing behind."""
@@ -19,15 +20,15 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
 from hf_oracle import hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
-POOL = 160  # KV slots of each instance's single memory node
+POOL = 160  # KV slots of each instance's pool (two memory nodes of 80)
 NEW = 8
 
 
 @pytest.fixture(scope="module")
 def server():
-    with launched("--model", "smollm2", "--instances", "2", "--memory", "1",
-                  "--kv-cache-tokens", str(POOL), "--slab-size", "16") as (port, ready):
-        assert "instances 2" in ready and "borrowing on" in ready, ready
+    with launched("--model", "smollm2", "--instances", "2", "--compute", "2", "--memory", "2",
+                  "--kv-cache-tokens", str(POOL // 2), "--slab-size", "16") as (port, ready):
+        assert "instances 2, compute 2, memory 2" in ready and "borrowing on" in ready, ready
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                             max_retries=0), port
 
@@ -58,4 +59,4 @@ def test_concurrent_requests_over_two_instances_match_single_requests(server):
         assert list(ex.map(one, prompts)) == single
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     capacity = [ln for ln in metrics.splitlines() if ln.startswith("lamina_kv_slots_capacity")]
-    assert len(capacity) == 2, metrics  # one memory node per instance
+    assert len(capacity) == 4, metrics  # two memory nodes per instance
