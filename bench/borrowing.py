@@ -24,12 +24,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from lamina.deployment.deployment import Deployment
-from lamina.models import load_model
-from lamina.deployment.profiling import profile_perf
-from lamina.splitter import split_model
-from lamina.types import SamplingParams
 from lamina.benchmark.workloads import synthetic_trace
+from lamina.config import deployment_config
+from lamina.deployment import Deployment, start_deployment
+from lamina.deployment.profiling import profile_perf
+from lamina.instance import load_model_info
+from lamina.types import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -77,26 +77,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scale", type=float, default=0.05)
     ap.add_argument("--plan-every", type=int, default=4)
     ap.add_argument("--seed", type=int, default=2)
-    ap.add_argument("--placement", choices=["local", "ray"], default="local")
+    ap.add_argument("--placement", choices=["inproc", "procs", "ray"], default="inproc")
     ap.add_argument("--out", help="output stem (default: bench/results/borrowing_cpu, "
                                   "borrowing_ray_cpu with --placement ray)")
     args = ap.parse_args(argv)
-    args.out = args.out or str(RESULTS / ("borrowing_cpu" if args.placement == "local"
-                                          else "borrowing_ray_cpu"))
+    args.out = args.out or str(RESULTS / ("borrowing_cpu" if args.placement == "inproc"
+                                          else f"borrowing_{args.placement}_cpu"))
 
-    loaded = load_model(args.model)
-    split = split_model(loaded.model)
-    vocab = loaded.model.config.vocab_size
+    info = load_model_info(_config(args, True))
+    vocab = info.vocab_size
     trace = synthetic_trace("mixed", args.requests, args.rate, vocab, seed=args.seed,
                             scale=args.scale)
     pool = args.memory * args.kv_cache_tokens
     longs = [t.prompt_len + t.output_len for t in trace if t.kind == "long"]
     print(f"trace: {len(trace)} requests, {len(longs)} long (contexts {longs}), pool "
           f"{pool} slots per instance, {args.instances} instances", file=sys.stderr)
-    perf = profile_perf(split)
+    perf = profile_perf(info.split)
     runs = {}
     for borrowing in (False, True):
-        with _deployment(args, split, borrowing, perf) as d:
+        with start_deployment(_config(args, borrowing), info, perf=perf) as d:
             runs["with" if borrowing else "without"] = run_trace(
                 d, trace, "borrowing" if borrowing else "no borrowing")
     cmd = "python bench/borrowing.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -108,16 +107,11 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def _deployment(args: argparse.Namespace, split, borrowing: bool, perf) -> Deployment:
-    kw = dict(slab_size=args.slab_size, borrowing=borrowing, perf=perf,
-              plan_every=args.plan_every)
-    if args.placement == "local":
-        return Deployment.local(split, args.instances, args.memory,
-                                kv_cache_tokens=args.kv_cache_tokens, **kw)
-    from lamina.cluster import start_deployment
-    return start_deployment(args.model, instances=args.instances, memory=args.memory,
-                            transport="shm", kv_cache_tokens=args.kv_cache_tokens,
-                            progress=lambda s: print(s, file=sys.stderr), **kw)
+def _config(args: argparse.Namespace, borrowing: bool):
+    return deployment_config(args.model, instances=args.instances, memory=args.memory,
+                             placement=args.placement, kv_cache_tokens=args.kv_cache_tokens,
+                             slab_size=args.slab_size, borrowing=borrowing,
+                             plan_every=args.plan_every)
 
 
 def _save(result: dict, out: Path) -> None:
@@ -125,7 +119,7 @@ def _save(result: dict, out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     r, a = result["runs"], result["args"]
     lines = [f"# Cluster borrowing on a mixed trace ({a['model']}, {a['instances']} instances, "
-             f"{result['pool_slots']} KV slots each, placement {a.get('placement', 'local')})", "", f"`{result['command']}`", "",
+             f"{result['pool_slots']} KV slots each, placement {a.get('placement', 'inproc')})", "", f"`{result['command']}`", "",
              f"{a['requests']} requests, Poisson {a['rate']}/s; long requests' contexts: "
              f"{result['long_contexts']}", "",
              "| borrowing | tok/s | completed | failed | longest context served | KV moves | loans |",

@@ -3,8 +3,9 @@ measured in the same run:
 
 * ``hf``: Hugging Face on the same model (left-padded batch, greedy, ``DynamicCache``; per step
   what ``generate`` does: one forward over the last tokens, argmax);
-* ``lamina-inproc``: Lamina with memory nodes in this process (``transport="local"``);
-* ``lamina-procs``: Lamina with memory nodes as separate processes (``transport="shm"``).
+* ``lamina-inproc``: Lamina with every role in this process (``placement="inproc"``);
+* ``lamina-procs``: Lamina with the compute replica and each memory node a process of its own
+  (``placement="procs"``).
 
 Each system prefills the same mixed-length prompts (seeded) once; then single decode steps of
 the systems are *interleaved* (round r times one step of each system, in an order that rotates
@@ -89,8 +90,8 @@ def main() -> None:
     # every prompt of a batch prefills in one step, so all requests decode in lockstep
     kw = dict(device=args.device, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(args.batches) * args.prompt_len[1])
-    llms = {"lamina-inproc": LLM(args.model, memory=args.memory, transport="local", **kw),
-            "lamina-procs": LLM(args.model, memory=args.memory, transport="shm", **kw)}
+    llms = {"lamina-inproc": LLM(args.model, memory=args.memory, placement="inproc", **kw),
+            "lamina-procs": LLM(args.model, memory=args.memory, placement="procs", **kw)}
     rows = []
     try:
         for b in tqdm(args.batches, desc="bench e2e"):

@@ -80,12 +80,11 @@ def measure(model: str, pipeline: str, n: int, prompts: list[list[int]], new_tok
             memory: int, trace: Path | None = None, attn_parts: int = 1,
             replicas: int = 1) -> dict:
     """Generate for ``prompts`` (after a short warm-up) with a timeline; ``trace`` keeps it.
-    ``replicas > 1`` runs each compute replica in its own process."""
+    Every compute replica and memory node runs in a process of its own (``placement="procs"``)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = trace or Path(tmp) / "timeline.json"
-        with LLM(model, memory=memory, transport="shm", compute=replicas, micro_batches=n,
-                 pipeline=pipeline, attn_parts=attn_parts, trace=str(path),
-                 compute_processes=replicas > 1) as llm:
+        with LLM(model, memory=memory, placement="procs", compute=replicas, micro_batches=n,
+                 pipeline=pipeline, attn_parts=attn_parts, trace=str(path)) as llm:
             llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
             tl = llm.timeline
             tl.spans.clear()
@@ -164,8 +163,8 @@ def main() -> None:
     (RESULTS / "pipeline_cpu.json").write_text(json.dumps(out, indent=1))
     md = [f"# Staggered pipelining\n\n`{out['command']}`\n",
           "## Measured vs simulated (SmolLM2, memory nodes over shm)\n",
-          "N = 1: the replica runs in the engine's process. N = 2: each replica in its own "
-          "process (`compute_processes=True`); on this 2-core machine they share the cores "
+          "Every replica and memory node runs in a process of its own (`placement=\"procs\"`); "
+          "with N = 2, on this 2-core machine the replicas share the cores "
           "with the node processes, which the simulator (one device per replica) does not "
           "model. Sim: stage times from a `none` run with one micro-batch's requests (a "
           "prediction). Sim (own): from the measured run's own timeline (checks the schedule "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import warnings
 
 import torch
 import torch.fx as fx
@@ -81,8 +82,12 @@ def _example_inputs(hf: bool, device: torch.device) -> tuple[tuple, tuple]:
 
 def _export(module: torch.nn.Module, args: tuple, dynamic: tuple) -> torch.export.ExportedProgram:
     try:
-        ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
-        return ep.run_decompositions({})
+        with warnings.catch_warnings():
+            # torch.export's own pytree code warns about its own deprecated LeafSpec check;
+            # nothing a user of Lamina can act on.
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+            return ep.run_decompositions({})
     except SplitError:
         raise
     except Exception as e:

@@ -66,14 +66,13 @@ class WorkerClient(ABC):
     def stats(self) -> list[NodeStats]:
         """STATS of every memory node."""
 
+    @abstractmethod
     def attach(self, client: NodeClient) -> int:
         """Add another pool's node (borrowing); returns its index for routes."""
-        raise NotImplementedError(f"{type(self).__name__} cannot attach borrowed memory nodes "
-                                  "(cluster borrowing needs the replicas in this process)")
 
-    def times(self) -> WorkerTimes | None:
-        """Step timings, where the replica runs in this process; None otherwise."""
-        return None
+    @abstractmethod
+    def times(self) -> WorkerTimes:
+        """Cumulative step timings (see :class:`WorkerTimes`)."""
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

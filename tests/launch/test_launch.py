@@ -3,8 +3,9 @@
 once with the default transport (shm on one host) stopped by Ctrl-C (SIGINT), and once forced
 to tcp stopped by SIGTERM, whose outputs must be identical. Shutdown leaves no process
 behind."""
-import signal
 from __future__ import annotations
+
+import signal
 
 import concurrent.futures as cf
 
