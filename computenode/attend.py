@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from lamina.kernels import merge_states
-from lamina.engine.scheduler import ScheduledSegment
 from lamina.types import AttendMsg, AttendResult, ShardWork
 
 
@@ -64,31 +63,6 @@ class NodeRoute:
             if cuts[-1] < c < R:
                 cuts.append(c)
         return list(zip(cuts, cuts[1:] + [R]))
-
-
-def build_routes(segs: list[ScheduledSegment]) -> list[NodeRoute]:
-    works: dict[int, list[ShardWork]] = {}
-    q_rows: dict[int, list[range]] = {}
-    kv_rows: dict[int, list[range]] = {}
-    offset = 0
-    for seg in segs:
-        req = seg.req
-        appends = {node: (start, count) for node, start, count in seg.appends}
-        for shard_node in dict.fromkeys(s.node for s in req.shards):
-            a_start, a_count = appends.get(shard_node, (0, 0))
-            works.setdefault(shard_node, []).append(
-                ShardWork(req.req_id, seg.start, seg.num_tokens, a_start, a_count))
-            q_rows.setdefault(shard_node, []).append(range(offset, offset + seg.num_tokens))
-            first = offset + (a_start - seg.start)
-            kv_rows.setdefault(shard_node, []).append(range(first, first + a_count))
-        offset += seg.num_tokens
-    routes = []
-    for node in sorted(works):
-        q = [i for r in q_rows[node] for i in r]
-        kv = [i for r in kv_rows[node] for i in r]
-        routes.append(NodeRoute(node, works[node], torch.tensor(q, dtype=torch.long),
-                                torch.tensor(kv, dtype=torch.long)))
-    return routes
 
 
 def attend_messages(step_id: int, layer: int, routes: list[NodeRoute], q: torch.Tensor,

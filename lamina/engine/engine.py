@@ -15,9 +15,9 @@ import torch
 
 from lamina.engine.request import Request
 from lamina.transport.node_client import NodeClient
-from lamina.computenode.attend import NodeRoute, build_routes
+from lamina.computenode.attend import NodeRoute
 from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler, SchedulerConfig
-from lamina.types import SamplingParams, Segment, StepPlan
+from lamina.types import SamplingParams, Segment, ShardWork, StepPlan
 from lamina.engine.worker import WorkerClient
 
 
@@ -219,3 +219,30 @@ class Engine:
         self.scheduler.finish(req, "error")
         req.error = error
         self._free([req.req_id])
+
+
+def build_routes(segs: list[ScheduledSegment]) -> list[NodeRoute]:
+    """Per memory node holding part of a segment's request: its works (in segment order) and
+    the step rows of its queries and of the k/v it stores (see :class:`NodeRoute`)."""
+    works: dict[int, list[ShardWork]] = {}
+    q_rows: dict[int, list[range]] = {}
+    kv_rows: dict[int, list[range]] = {}
+    offset = 0
+    for seg in segs:
+        req = seg.req
+        appends = {node: (start, count) for node, start, count in seg.appends}
+        for shard_node in dict.fromkeys(s.node for s in req.shards):
+            a_start, a_count = appends.get(shard_node, (0, 0))
+            works.setdefault(shard_node, []).append(
+                ShardWork(req.req_id, seg.start, seg.num_tokens, a_start, a_count))
+            q_rows.setdefault(shard_node, []).append(range(offset, offset + seg.num_tokens))
+            first = offset + (a_start - seg.start)
+            kv_rows.setdefault(shard_node, []).append(range(first, first + a_count))
+        offset += seg.num_tokens
+    routes = []
+    for node in sorted(works):
+        q = [i for r in q_rows[node] for i in r]
+        kv = [i for r in kv_rows[node] for i in r]
+        routes.append(NodeRoute(node, works[node], torch.tensor(q, dtype=torch.long),
+                                torch.tensor(kv, dtype=torch.long)))
+    return routes
