@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lamina.computenode.replica import ComputeReplica
+from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.computenode.attend import NodeRoute, attend_messages, join_results, merge_results
 from lamina.computenode.schedule import replica_for
@@ -63,6 +64,7 @@ class ReplicaConfig:
     num_threads: int = 1
     trace: bool = False  # record timeline spans and send them with TOKENS
     peer_base: int = 0  # this instance's replica i is peer ``peer_base + i`` on memory nodes
+    cores: list[int] | None = None  # CPU cores owned: pinned, one thread each (None: num_threads)
 
 
 @dataclass
@@ -86,7 +88,7 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
     at ``endpoint``, load and split the model, then serve until SHUTDOWN. A model that fails to
     load answers every control message with the error."""
     cfg = ReplicaConfig(**config)
-    torch.set_num_threads(cfg.num_threads)
+    own_cores(cfg.cores, None if cfg.cores else cfg.num_threads)
     ctrl = connect(endpoint)
     try:
         from lamina.models import load_model

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lamina.computenode.executor import PipelineConfig, resolve_pipeline
+from lamina.device import Device, default_cores, parse, split
 from lamina.engine.scheduler import SchedulerConfig
 
 PLACEMENTS = ("inproc", "procs", "ray")
@@ -54,8 +55,10 @@ class InstanceConfig:
     * ``ray``: every role a Ray actor (shm on one host, tcp across hosts; ``address`` joins a
       running cluster).
 
+    ``device`` / ``memory_device``: ``cpu``, ``cpu:N``, ``cpu:A-B`` (the cores the role owns:
+    it pins itself to them and runs that many threads), ``cuda:N`` (:mod:`lamina.device`).
     ``transport`` picks the links between roles out of process (``auto``: shm on one host,
-    tcp across hosts); ``num_threads`` is each such role's torch thread count."""
+    tcp across hosts); ``num_threads`` is the torch thread count of a role that owns no cores."""
 
     memory: int = 1
     placement: str = "inproc"
@@ -75,6 +78,8 @@ class InstanceConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got "
                              f"{self.transport!r}")
+        parse(self.device)
+        parse(self.node_device)
 
     @property
     def compute(self) -> int:
@@ -83,6 +88,17 @@ class InstanceConfig:
     @property
     def node_device(self) -> str:
         return self.memory_device or self.device
+
+    def role_devices(self) -> tuple[list[Device], list[Device]]:
+        """The device of each compute replica and of each memory node. Cores named on a device
+        are split among its roles. Under ``procs`` with no cores named at all, the host's cores
+        are split between the two sides (:func:`lamina.device.default_cores`); ``inproc`` roles
+        share the engine's process, ``ray`` roles pin only to cores named."""
+        cd, md = parse(self.device), parse(self.node_device)
+        unnamed = cd.kind == md.kind == "cpu" and cd.cores is None and md.cores is None
+        if self.placement == "procs" and unnamed:
+            cd, md = default_cores(self.compute, self.memory)
+        return split(cd, self.compute), split(md, self.memory)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.memnode.node import MemoryNode
 from lamina.transport import codec
@@ -141,11 +142,14 @@ class NodeServer:
 
 
 def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: torch.dtype,
-                slab_size: int, num_threads: int = 1) -> dict[str, Any]:
-    """Everything a memory-node server needs, as plain data (a process argument)."""
+                slab_size: int, num_threads: int = 1,
+                cores: list[int] | None = None) -> dict[str, Any]:
+    """Everything a memory-node server needs, as plain data (a process argument): ``device``
+    a torch device string; ``cores`` the CPU cores the node owns (it pins itself and runs one
+    thread per core; None: ``num_threads`` threads, unpinned)."""
     return {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-            "num_threads": num_threads}
+            "num_threads": num_threads, "cores": cores}
 
 
 def build_node(config: dict[str, Any]) -> MemoryNode:
@@ -158,6 +162,6 @@ def build_node(config: dict[str, Any]) -> MemoryNode:
 def serve_node(endpoint: dict[str, Any], config: dict[str, Any]) -> None:
     """A role's entry point (a process or an actor thread): join the primary channel at
     ``endpoint``, build the node from ``config``, serve until SHUTDOWN or the engine is gone."""
-    torch.set_num_threads(int(config.get("num_threads", 1)))
+    own_cores(config.get("cores"), None if config.get("cores") else config.get("num_threads", 1))
     ch = connect(endpoint)
     NodeServer(build_node(config)).serve(ch)

@@ -26,6 +26,7 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.server import ReplicaConfig
 from lamina.config import CacheConfig, DeploymentConfig
+from lamina.device import own_cores, parse
 from lamina.engine.engine import Engine
 from lamina.engine.worker import LocalWorker, ReplicaWorker
 from lamina.instance.launcher import Launcher
@@ -60,7 +61,7 @@ class ModelInfo:
 def load_model_info(config: DeploymentConfig) -> ModelInfo:
     """Load and split the model once, on the compute device."""
     loaded = load_model(config.model.model, dtype=config.model.torch_dtype,
-                        device=config.instance.device)
+                        device=parse(config.instance.device).torch)
     cfg = getattr(loaded.model, "config", None)
     return ModelInfo(split_model(loaded.model), loaded.dtype, loaded.tokenizer,
                      eos_token_ids(loaded.model, loaded.tokenizer),
@@ -131,27 +132,30 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
     ``inproc``) and return it; on failure nothing it started is left running."""
     icfg = config.instance
     cap = node_capacity(info.specs, info.dtype, config.cache)
+    replica_devs, node_devs = icfg.role_devices()
     if icfg.placement == "inproc":
+        cores = sorted({c for d in replica_devs + node_devs for c in (d.cores or ())})
+        if cores:  # cores named: this process runs every role, so it owns their union
+            own_cores(cores)
         nodes: list[NodeClient] = [
             InProcessNode(MemoryNode(info.specs, cap, slab_size=config.cache.slab_size,
-                                     dtype=info.dtype, device=icfg.node_device),
-                          name=f"memory node {k}") for k in range(icfg.memory)]
+                                     dtype=info.dtype, device=d.torch), name=f"memory node {k}")
+            for k, d in enumerate(node_devs)]
         sampler = Sampler()
-        replicas = [ComputeReplica(info.split, icfg.device, sampler) for _ in range(icfg.compute)]
+        replicas = [ComputeReplica(info.split, d.torch, sampler) for d in replica_devs]
         worker = LocalWorker(ReplicaWorker(replicas, nodes, icfg.pipeline, timeline))
         closers: list[Callable[[], None]] = []
     else:
         from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
-        nodes = start_memory_nodes(launcher, info.specs, icfg.memory, cap,
-                                   device=icfg.node_device, dtype=info.dtype,
+        nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
                                    slab_size=config.cache.slab_size, transport=icfg.transport,
                                    num_threads=icfg.num_threads)
         closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
-        template = ReplicaConfig(config.model.model, icfg.device,
+        template = ReplicaConfig(config.model.model, replica_devs[0].torch,
                                  str(info.dtype).removeprefix("torch."), 0, 1, "none",
                                  num_threads=icfg.num_threads, peer_base=inst_id * PEER_STRIDE)
         try:
-            worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline,
+            worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
                                     num_slices=len(info.split.slices), transport=icfg.transport,
                                     timeline=timeline)
         except BaseException:

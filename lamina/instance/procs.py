@@ -36,6 +36,7 @@ from lamina.computenode.sampling import Sampler
 from lamina.computenode.schedule import replica_for
 from lamina.computenode.server import ReplicaConfig, serve_replica
 from lamina.engine.worker import WorkerClient, WorkerTimes
+from lamina.device import Device
 from lamina.errors import NodeFailure
 from lamina.instance.launcher import Launcher, RoleHandle, stop_role
 from lamina.memnode.server import node_config, serve_node
@@ -92,27 +93,30 @@ def stop_roles(handles: list[RoleHandle], channels: list) -> None:
         ch.close()
 
 
-def start_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], memory: int,
-                       capacity: int, *, device: str, dtype: torch.dtype, slab_size: int,
-                       transport: str, num_threads: int = 1, first: int = 0) -> list[RemoteNode]:
-    """``memory`` memory-node servers of ``capacity`` slots each; the engine's clients of them
-    (``client.process`` is the role's handle; the caller stops it)."""
-    config = node_config(specs, capacity, device, dtype, slab_size, num_threads)
-    handles, channels = start_roles(launcher, serve_node, [config] * memory, role="memory",
-                                    device=device, transport=transport)
-    return [RemoteNode(ch, h, f"memory node {first + i}")
+def start_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: list[Device],
+                       capacity: int, *, dtype: torch.dtype, slab_size: int, transport: str,
+                       num_threads: int = 1) -> list[RemoteNode]:
+    """One memory-node server of ``capacity`` slots per device (each pins itself to its
+    device's cores); the engine's clients of them (``client.process`` is the role's handle;
+    the caller stops it)."""
+    configs = [node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
+                           list(d.cores) if d.cores else None) for d in devices]
+    handles, channels = start_roles(launcher, serve_node, configs, role="memory",
+                                    device=devices[0].torch, transport=transport)
+    return [RemoteNode(ch, h, f"memory node {i}")
             for i, (h, ch) in enumerate(zip(handles, channels))]
 
 
 class RemoteReplicas(WorkerClient):
     """``config.replicas`` compute-replica servers started by ``launcher``, wired to ``nodes``
     (the engine's clients of memory-node servers, owned by the caller) and to each other.
-    ``replica`` is the template of every replica's :class:`ReplicaConfig` (model, device,
-    dtype, threads, peer base); :meth:`close` stops the replicas."""
+    ``replica`` is the template of every replica's :class:`ReplicaConfig` (model, dtype,
+    threads, peer base); replica ``i`` runs on ``devices[i]`` (pinned to its cores);
+    :meth:`close` stops the replicas."""
 
     def __init__(self, launcher: Launcher, replica: ReplicaConfig, nodes: list[RemoteNode],
-                 config: PipelineConfig, *, num_slices: int, transport: str = "auto",
-                 timeline: Timeline | None = None):
+                 config: PipelineConfig, devices: list[Device], *, num_slices: int,
+                 transport: str = "auto", timeline: Timeline | None = None):
         self.config = config
         self.micro_batches = config.micro_batches
         self.nodes = list(nodes)  # own pool's nodes, then attached (borrowed) ones
@@ -131,8 +135,10 @@ class RemoteReplicas(WorkerClient):
                                            "replicas": config.replicas,
                                            "schedule": config.schedule,
                                            "attn_parts": config.attn_parts,
-                                           "trace": timeline is not None}))
-                   for i in range(config.replicas)]
+                                           "trace": timeline is not None,
+                                           "device": d.torch,
+                                           "cores": list(d.cores) if d.cores else None}))
+                   for i, d in enumerate(devices)]
         self.procs, self.channels = start_roles(launcher, serve_replica, configs, role="compute",
                                                 device=replica.device, transport=transport)
         try:

@@ -104,3 +104,22 @@ def test_borrowing_request_longer_than_one_pool(tiny, request, placement):
         assert [r.output_ids for r in reqs] == want
         assert reqs[0].max_shards > 1  # stored on (and attended over) two pools
         assert {r.req_id // (1 << 40) for r in reqs} == {0, 1}  # both instances served
+
+
+@pytest.mark.slow
+def test_procs_roles_pin_themselves_to_their_cores(tiny):
+    """device / memory_device name the cores each side owns; every role process runs there."""
+    folder, _, want = tiny
+    cores = sorted(__import__("os").sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    a, b = cores[0], cores[1]
+    with LLM(str(folder), compute=2, memory=2, placement="procs", device=f"cpu:{a}",
+             memory_device=f"cpu:{b}") as llm:
+        inst = llm.deployment.instances[0]
+        for proc in inst.engine.worker.procs:
+            assert psutil.Process(proc.pid).cpu_affinity() == [a]
+        for node in inst.nodes:
+            assert psutil.Process(node.process.pid).cpu_affinity() == [b]
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want

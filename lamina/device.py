@@ -1,0 +1,134 @@
+"""Devices a role owns (DESIGN.md §4): ``cpu`` (no pinning), ``cpu:0``, ``cpu:1-7``,
+``cpu:0,2,4-5`` (these cores), ``cuda`` / ``cuda:0`` (that GPU).
+
+A role that owns cores pins itself to them (``sched_setaffinity``) and sizes torch's thread
+pool (OpenMP) to exactly that many (:func:`own_cores`); two roles never share a core unless
+told to. Several memory nodes on one ``memory_device`` split its cores (:func:`split`). With
+no cores named, roles out of the engine's process get disjoint cores whenever the host has
+enough (:func:`default_cores`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Device:
+    """``kind`` ``cpu`` or ``cuda``; ``index`` the GPU; ``cores`` the CPU cores owned (None:
+    not pinned)."""
+
+    kind: str
+    index: int | None = None
+    cores: tuple[int, ...] | None = None
+
+    @property
+    def torch(self) -> str:
+        """The torch device string (``cpu``, ``cuda:0``)."""
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index or 0}"
+
+    def __str__(self) -> str:
+        if self.kind == "cuda":
+            return self.torch
+        return "cpu" if self.cores is None else f"cpu:{_ranges(self.cores)}"
+
+
+def available_cores() -> tuple[int, ...]:
+    """The cores this process may run on."""
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def parse(spec: str | Device) -> Device:
+    """A :class:`Device` from its string; ValueError naming what is wrong (unknown kind, a core
+    this process may not use, a GPU that is not there)."""
+    if isinstance(spec, Device):
+        return spec
+    s = str(spec).strip().lower()
+    kind, _, rest = s.partition(":")
+    if kind == "cuda":
+        index = int(rest) if rest.isdigit() else 0 if not rest else None
+        if index is None:
+            raise ValueError(f"device {spec!r}: expected cuda or cuda:N")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} needs a CUDA GPU, and none is visible here "
+                             f"(use cpu, cpu:N or cpu:A-B)")
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} GPU(s) here")
+        return Device("cuda", index)
+    if kind != "cpu":
+        raise ValueError(f"device {spec!r}: expected cpu, cpu:N, cpu:A-B, cuda or cuda:N")
+    if not rest:
+        return Device("cpu")
+    cores = _parse_cores(rest, spec)
+    missing = sorted(set(cores) - set(available_cores()))
+    if missing:
+        raise ValueError(f"device {spec!r}: core(s) {missing} are not available to this "
+                         f"process (available: {_ranges(available_cores())})")
+    return Device("cpu", cores=cores)
+
+
+def split(device: Device, n: int) -> list[Device]:
+    """``n`` roles on ``device``: its cores in ``n`` contiguous shares (roles share cores only
+    when there are fewer cores than roles); unpinned and CUDA devices are shared as they are."""
+    if device.cores is None or device.kind != "cpu":
+        return [device] * n
+    cores = device.cores
+    if len(cores) < n:
+        return [Device("cpu", cores=(cores[i % len(cores)],)) for i in range(n)]
+    base, extra = divmod(len(cores), n)
+    out, start = [], 0
+    for i in range(n):
+        size = base + (i < extra)
+        out.append(Device("cpu", cores=cores[start:start + size]))
+        start += size
+    return out
+
+
+def default_cores(compute: int, memory: int) -> tuple[Device, Device]:
+    """Compute and memory devices for roles out of the engine's process when none were named:
+    the available cores split between the roles in proportion to their number (compute first),
+    so the two sides are disjoint whenever there are at least two cores; one core is shared."""
+    cores = available_cores()
+    if len(cores) < 2:
+        return Device("cpu", cores=cores), Device("cpu", cores=cores)
+    n_compute = max(1, min(len(cores) - 1, round(len(cores) * compute / (compute + memory))))
+    return (Device("cpu", cores=cores[:n_compute]), Device("cpu", cores=cores[n_compute:]))
+
+
+def own_cores(cores: tuple[int, ...] | list[int] | None, threads: int | None = None) -> int:
+    """Pin the calling process to ``cores`` and size torch's thread pool to them (or to
+    ``threads``); returns the thread count. ``None``: no pinning, ``threads`` (default 1)."""
+    if cores:
+        os.sched_setaffinity(0, set(cores))
+        n = threads or len(cores)
+    else:
+        n = threads or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def _parse_cores(text: str, spec: str) -> tuple[int, ...]:
+    cores: list[int] = []
+    try:
+        for part in text.split(","):
+            a, _, b = part.partition("-")
+            lo, hi = int(a), int(b) if b else int(a)
+            if lo < 0 or hi < lo:
+                raise ValueError
+            cores.extend(range(lo, hi + 1))
+    except ValueError:
+        raise ValueError(f"device {spec!r}: cores must look like 0, 1-7 or 0,2,4-5") from None
+    return tuple(sorted(set(cores)))
+
+
+def _ranges(cores: tuple[int, ...]) -> str:
+    out, i = [], 0
+    while i < len(cores):
+        j = i
+        while j + 1 < len(cores) and cores[j + 1] == cores[j] + 1:
+            j += 1
+        out.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
+        i = j + 1
+    return ",".join(out)
