@@ -2,9 +2,13 @@
 pool completes by borrowing KV space from other instances' pools (reactive), KV moved between
 pools by the gManager's placement (proactive) is attended where it lands, and no request is
 lost."""
+from dataclasses import replace
+
 import pytest
 
-from lamina.deployment.deployment import Deployment
+from lamina import LLM
+from lamina.config import deployment_config
+from lamina.deployment import Deployment, start_deployment
 from lamina.types import SamplingParams
 
 from hf_oracle import hf_greedy
@@ -25,9 +29,17 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [(7 * seed + 13 * j + 3) % 90 + 3 for j in range(n)]
 
 
+def _generate(d: Deployment, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Add every prompt (routed by the deployment), step until done; the requests, in order."""
+    reqs = [d.add_request(p, params) for p in prompts]
+    while d.has_work():
+        d.step()
+    return reqs
+
+
 def _no_kv_left(d: Deployment) -> None:
     for inst in d.instances:
-        for c in inst.pool.clients:
+        for c in inst.nodes:
             assert c.stats().used_slots == 0
         s = inst.scheduler
         assert sum(s.free) == sum(s.capacity)
@@ -42,10 +54,11 @@ def test_request_longer_than_any_pool_matches_hf(tiny, instances, memory):
     long = _prompt(int(1.3 * cap * memory), 1)
     prompts = [long, _prompt(9, 2), _prompt(4, 3)]
     want = hf_greedy(model, prompts, GREEDY.max_tokens)
-    with Deployment.from_model(str(folder), instances=instances, memory=memory,
-                               kv_cache_tokens=cap, slab_size=8) as d:
+    with LLM(str(folder), instances=instances, memory=memory, kv_cache_tokens=cap,
+             slab_size=8) as llm:
+        d = llm.deployment
         assert len(long) + GREEDY.max_tokens > cap * memory  # no single pool can hold it
-        reqs = d.generate(prompts, GREEDY)
+        reqs = _generate(d, prompts, GREEDY)
         assert [r.error for r in reqs] == [None, None, None]
         assert [r.output_ids for r in reqs] == want
         assert reqs[0].max_shards > memory  # its KV really spanned pools
@@ -55,13 +68,15 @@ def test_request_longer_than_any_pool_matches_hf(tiny, instances, memory):
 
 def test_without_borrowing_the_long_request_fails_cleanly(tiny):
     folder, _ = tiny
-    with Deployment.from_model(str(folder), instances=2, memory=1, kv_cache_tokens=32,
-                               slab_size=8, borrowing=False) as d:
+    with LLM(str(folder), instances=2, memory=1, kv_cache_tokens=32, slab_size=8,
+             borrowing=False) as llm:
+        d = llm.deployment
+        assert d.gmanager is None
         with pytest.raises(ValueError, match="does not fit"):
             d.add_request(_prompt(40, 1), GREEDY)
         # a prompt that fits but grows out of its pool ends with a clear error; the rest finish
-        reqs = d.generate([_prompt(28, 1), _prompt(5, 2)],
-                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        reqs = _generate(d, [_prompt(28, 1), _prompt(5, 2)],
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert reqs[0].finish_reason == "error" and "out of KV memory" in str(reqs[0].error)
         assert reqs[1].error is None and len(reqs[1].output_ids) == 8
 
@@ -76,9 +91,9 @@ def test_proactive_moves_keep_greedy_output(tiny):
     perf = PerfModel([1, 8], [1e-3, 2e-3], [8, 64], [1e-5, 4e-5])
     prompts = [_prompt(26, s) for s in range(4)]
     want = hf_greedy(model, prompts, GREEDY.max_tokens)
-    with Deployment.from_model(str(folder), instances=2, memory=1, kv_cache_tokens=96,
-                               slab_size=8, beta_thres=4, util_thres=0.5, perf=perf,
-                               plan_every=2) as d:
+    config = replace(deployment_config(str(folder), instances=2, memory=1, kv_cache_tokens=96,
+                                       slab_size=8, plan_every=2), beta_thres=4, util_thres=0.5)
+    with start_deployment(config, perf=perf) as d:
         reqs = [d.instances[0].engine.add_request(p, GREEDY) for p in prompts]
         while d.has_work():
             d.step()

@@ -1,6 +1,7 @@
 """The builtin SmolLM2: greedy outputs of 8 prompts as one batch are token-identical to HF
-generate (float32), with memory nodes in-process, as 3 processes over shm, and with requests
-spanning two memory nodes. Also chat through the tokenizer's chat template."""
+generate (float32), with every role in this process, with the compute replica and 3 memory
+nodes as processes (shm), and with requests spanning two memory nodes. Also chat through the
+tokenizer's chat template."""
 import pytest
 
 from lamina import LLM, SamplingParams
@@ -15,9 +16,9 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Hello"
          "The quick brown fox jumps over the lazy dog. Then the dog woke up, looked around the "
          "garden and said", "In 1492, Columbus"]
 SETUPS = {
-    "memory1-inprocess": dict(memory=1, transport="local"),
-    "memory3-shm": dict(memory=3, transport="shm"),
-    "spans-two-nodes": dict(memory=2, transport="local", kv_cache_tokens=36),
+    "memory1-inproc": dict(memory=1, placement="inproc"),
+    "memory3-procs": dict(memory=3, placement="procs", transport="shm"),
+    "spans-two-nodes": dict(memory=2, placement="inproc", kv_cache_tokens=36),
 }
 
 
@@ -42,7 +43,7 @@ def test_smollm2_greedy_matches_hf(reference, setup):
             assert o.outputs[0].text == loaded.tokenizer.decode(w, skip_special_tokens=True)
         if setup == "spans-two-nodes":
             assert max(req.max_shards for req, _, _ in llm._last) == 2
-        if setup == "memory1-inprocess":
+        if setup == "memory1-inproc":
             chat = llm.chat([{"role": "user", "content": "What is 2+2?"}],
                             SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]
             prompt = loaded.tokenizer.apply_chat_template(

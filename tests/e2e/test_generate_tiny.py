@@ -1,5 +1,6 @@
 """End to end on tiny random llama, qwen2 and gpt2: greedy outputs of 8 mixed-length prompts,
-run as one batch, are token-identical to HF generate (float32) in three memory setups."""
+run as one batch, are token-identical to HF generate (float32) in three memory setups (every
+role in this process; every role a process of its own; requests spanning two nodes)."""
 import pytest
 
 from lamina import LLM, SamplingParams
@@ -11,12 +12,14 @@ MAX_NEW = 10
 PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
            for i, n in enumerate((3, 17, 1, 9, 22, 5, 12, 7))]
 SETUPS = {
-    "memory1-inprocess": dict(memory=1, transport="local"),
-    "memory3-shm": dict(memory=3, transport="shm"),
+    "memory1-inproc": dict(memory=1, placement="inproc"),
+    # the compute replica and 3 memory nodes as processes (shm channels)
+    "memory3-procs": dict(memory=3, placement="procs", transport="shm"),
     # 24 slots per node: the longest request (22 + 10 tokens) must span two nodes, and the
     # batch does not fit at once (queueing and preemption happen too)
-    "spans-two-nodes": dict(memory=2, transport="local", kv_cache_tokens=24),
+    "spans-two-nodes": dict(memory=2, placement="inproc", kv_cache_tokens=24),
 }
+SLOW = {"memory3-procs"}  # starts processes
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
@@ -27,11 +30,10 @@ def tiny(request, tmp_path_factory):
     return folder, hf_greedy(model, PROMPTS, MAX_NEW)
 
 
-@pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
+@pytest.mark.parametrize("setup", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s
+                                   for s in SETUPS])
 def test_greedy_matches_hf(tiny, setup):
     folder, want = tiny
-    if setup == "memory3-shm":
-        pytest.importorskip("lamina.remote")
     with LLM(str(folder), **SETUPS[setup]) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
                                                     ignore_eos=True), use_tqdm=False)
@@ -40,7 +42,7 @@ def test_greedy_matches_hf(tiny, setup):
         assert all(o.outputs[0].finish_reason == "length" and o.error is None for o in outs)
         if setup == "spans-two-nodes":
             assert max(req.max_shards for req, _, _ in llm._last) == 2
-        for c in llm.pool.clients:
+        for c in llm.deployment.instances[0].nodes:
             assert c.stats().used_slots == 0  # everything freed
 
 
@@ -48,15 +50,16 @@ def test_each_node_gets_one_run_of_rows(tiny):
     """The engine orders a micro-batch by node, so with single-node requests every node's
     rows are one run (ATTEND sends views, RESULTs are concatenated, no gather or merge)."""
     folder, want = tiny
-    with LLM(str(folder), memory=3, transport="local") as llm:
+    with LLM(str(folder), memory=3, placement="inproc") as llm:
+        worker = llm.deployment.instances[0].engine.worker
         submitted = []
-        submit = llm.engine.worker.submit
+        submit = worker.submit
 
         def spy(slot, plan, routes, req_ids, params):
             submitted.append(routes)
             return submit(slot, plan, routes, req_ids, params)
 
-        llm.engine.worker.submit = spy
+        worker.submit = spy
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
                                                     ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want

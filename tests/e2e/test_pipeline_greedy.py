@@ -1,6 +1,8 @@
 """Staggered pipelining keeps greedy outputs token-identical to HF (so identical across none,
 fixed and rotational) with 1-3 compute replicas and 2-4 micro-batches, on tiny llama/gpt2 and
-on the builtin SmolLM2 (slow)."""
+on the builtin SmolLM2 (slow). Every role runs in this process (the pipelined executor), except
+one case of attention mini-batches under ``placement="procs"`` (slow); tests/e2e/
+test_pipeline_processes.py and tests/instance/ cover pipelining across processes."""
 import pytest
 
 from lamina import LLM, SamplingParams
@@ -11,25 +13,31 @@ from hf_oracle import hf_greedy, tiny_case
 MAX_NEW = 10
 PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
            for i, n in enumerate((3, 17, 1, 9, 22, 5, 12, 7))]
-# (pipeline, compute replicas, micro-batches, memory setup)
+# (pipeline, compute replicas, micro-batches, memory setup); every role in this process
+# unless the setup names a placement
 CONFIGS = [
-    ("none", 1, 1, dict(memory=2, transport="local")),
-    ("fixed", 1, 2, dict(memory=2, transport="local")),
-    ("fixed", 2, 2, dict(memory=1, transport="local")),
-    ("fixed", 3, 4, dict(memory=3, transport="shm")),
-    ("rotational", 1, 2, dict(memory=2, transport="shm")),
-    ("rotational", 2, 3, dict(memory=2, transport="local")),
-    ("rotational", 3, 4, dict(memory=2, transport="shm")),
+    ("none", 1, 1, dict(memory=2)),
+    ("fixed", 1, 2, dict(memory=2)),
+    ("fixed", 2, 2, dict(memory=1)),
+    ("fixed", 3, 4, dict(memory=3)),
+    ("rotational", 1, 2, dict(memory=2)),
+    ("rotational", 2, 3, dict(memory=2)),
+    ("rotational", 3, 4, dict(memory=2)),
     # 24 slots per node: requests span two nodes, queue and get preempted while others are in
     # flight in another micro-batch
-    ("rotational", 2, 3, dict(memory=2, transport="local", kv_cache_tokens=24)),
+    ("rotational", 2, 3, dict(memory=2, kv_cache_tokens=24)),
     # communication-attention overlap: each node's share of a layer in mini-batches
-    ("none", 1, 1, dict(memory=2, transport="shm", attn_parts=3)),
-    ("rotational", 1, 2, dict(memory=3, transport="shm", attn_parts=2, kv_cache_tokens=40)),
-    ("fixed", 2, 2, dict(memory=2, transport="local", attn_parts=2, kv_cache_tokens=24)),
+    ("none", 1, 1, dict(memory=2, attn_parts=3)),
+    ("rotational", 1, 2, dict(memory=3, attn_parts=2, kv_cache_tokens=40)),
+    ("fixed", 2, 2, dict(memory=2, attn_parts=2, kv_cache_tokens=24)),
+    # the same mini-batches sent by a compute replica process to memory-node processes
+    ("none", 1, 1, dict(memory=2, attn_parts=3, placement="procs")),
 ]
-IDS = [f"{p}-N{c}-n{n}-{m['transport']}{'-tight' if 'kv_cache_tokens' in m else ''}"
-       f"{'-parts%d' % m['attn_parts'] if 'attn_parts' in m else ''}" for p, c, n, m in CONFIGS]
+IDS = [f"{p}-N{c}-n{n}-M{m['memory']}{'-tight' if 'kv_cache_tokens' in m else ''}"
+       f"{'-parts%d' % m['attn_parts'] if 'attn_parts' in m else ''}"
+       f"{'-' + m['placement'] if 'placement' in m else ''}" for p, c, n, m in CONFIGS]
+PARAMS = [pytest.param(c, id=i, marks=[pytest.mark.slow] if "placement" in c[3] else [])
+          for c, i in zip(CONFIGS, IDS)]
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -37,7 +45,7 @@ def tiny(request, tmp_path_factory):
     return tiny_case(request.param, tmp_path_factory, PROMPTS, MAX_NEW)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("config", PARAMS)
 def test_pipelined_greedy_matches_hf(tiny, config):
     folder, want = tiny
     pipeline, compute, n, mem = config
@@ -46,11 +54,13 @@ def test_pipelined_greedy_matches_hf(tiny, config):
                                                     ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert all(o.error is None for o in outs)
-        times = llm.engine.worker.times()
-        assert times.steps > 0
+        inst = llm.deployment.instances[0]
+        worker = inst.engine.worker
+        assert worker.times().steps > 0
         if n > 1:  # more than one micro-batch really was in flight
-            assert llm.engine.worker.worker.executor.max_in_flight > 1
-        for c in llm.pool.clients:
+            in_proc = llm.config.instance.placement == "inproc"
+            assert (worker.worker.executor if in_proc else worker).max_in_flight > 1
+        for c in inst.nodes:
             assert c.stats().used_slots == 0
 
 
@@ -66,7 +76,7 @@ def test_smollm2_pipelined_greedy_matches_hf(config):
     ids = [loaded.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     want = hf_greedy(loaded.model, ids, 12)
     pipeline, compute, n, parts = config
-    with LLM("smollm2", memory=2, transport="shm", compute=compute, micro_batches=n,
-             pipeline=pipeline, attn_parts=parts) as llm:
+    with LLM("smollm2", memory=2, compute=compute, micro_batches=n, pipeline=pipeline,
+             attn_parts=parts) as llm:
         outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want

@@ -1,7 +1,8 @@
-"""Compute replicas as separate processes (``LLM(compute_processes=True)``): memory nodes reply
-to the replica that runs the next slice and contexts move replica to replica. Greedy outputs
-stay token-identical to HF across schedules, seeded sampling equals the in-process run, and a
-killed memory node or replica gives a clear error and leaves no process behind."""
+"""Compute replicas as separate processes (``LLM(placement="procs")``: every replica and every
+memory node a process of its own): memory nodes reply to the replica that runs the next slice
+and contexts move replica to replica. Greedy outputs stay token-identical to HF, seeded sampling
+equals the in-process run, and a killed memory node or replica gives a clear error and leaves
+no process behind. (tests/instance/test_placements.py covers the other pipelines under procs.)"""
 import os
 import signal
 
@@ -9,28 +10,22 @@ import psutil
 import pytest
 
 from lamina import LLM, SamplingParams
-from lamina.models import load_model
 from lamina.errors import NodeFailure
+from lamina.models import load_model
 
 from hf_oracle import hf_greedy, tiny_case
 
+pytestmark = pytest.mark.slow  # every LLM here starts processes
 MAX_NEW = 10
 PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
            for i, n in enumerate((3, 17, 1, 9, 22, 5, 12, 7))]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-# (pipeline, compute replicas, micro-batches, memory setup)
-CONFIGS = [
-    ("rotational", 2, 3, dict(memory=2)),
-    ("fixed", 2, 2, dict(memory=2)),
-    # 24 slots per node: requests span two nodes, queue and get preempted; mini-batches
-    ("rotational", 3, 4, dict(memory=2, kv_cache_tokens=24, attn_parts=2)),
-]
-IDS = ["rotational-N2-n3", "fixed-N2-n2", "rotational-N3-n4-tight-parts2"]
 
 
 def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE}
+            if p.status() != psutil.STATUS_ZOMBIE
+            and "resource_tracker" not in " ".join(p.cmdline())}
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +33,24 @@ def tiny(tmp_path_factory):
     return tiny_case("llama", tmp_path_factory, PROMPTS, MAX_NEW)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
-def test_process_replicas_greedy_matches_hf(tiny, config):
+def test_process_replicas_tight_pool_and_mini_batches_match_hf(tiny):
+    """3 replica processes, 4 micro-batches, 24 slots per node: requests span two nodes, queue
+    and get preempted while others are in flight; each node's share of a layer in 2 parts."""
     folder, want = tiny
-    pipeline, compute, n, mem = config
-    with LLM(str(folder), compute=compute, micro_batches=n, pipeline=pipeline, transport="shm",
-             compute_processes=True, **mem) as llm:
-        worker = llm.engine.worker
-        assert len(worker.procs) == compute
+    with LLM(str(folder), compute=3, memory=2, micro_batches=4, pipeline="rotational",
+             kv_cache_tokens=24, attn_parts=2, placement="procs") as llm:
+        inst = llm.deployment.instances[0]
+        worker = inst.engine.worker
+        assert len(worker.procs) == 3 and all(p.is_alive() for p in worker.procs)
+        assert all(c.process.is_alive() for c in inst.nodes)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert all(o.error is None for o in outs)
-        # more than one micro-batch in flight (with a tight pool, not always all n)
-        assert worker.max_in_flight == n if "kv_cache_tokens" not in mem else worker.max_in_flight > 1
+        assert max(r.max_shards for r, _, _ in llm._last) == 2
+        # more than one micro-batch in flight (with a tight pool, not always all 4)
+        assert worker.max_in_flight > 1
         assert worker.times().steps > 0
-        for c in llm.pool.clients:
+        for c in inst.nodes:
             assert c.stats().used_slots == 0
 
 
@@ -62,10 +60,10 @@ def test_process_replicas_sample_like_in_process_and_trace(tiny, tmp_path):
     folder, _ = tiny
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=i, max_tokens=MAX_NEW,
                              ignore_eos=True) for i in range(len(PROMPTS))]
-    with LLM(str(folder), memory=2, transport="local") as llm:
+    with LLM(str(folder), memory=2, placement="inproc") as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     trace = tmp_path / "run.json"
-    with LLM(str(folder), compute=2, memory=2, transport="shm", compute_processes=True,
+    with LLM(str(folder), compute=2, memory=2, placement="procs", transport="shm",
              trace=str(trace)) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         tracks = {(s.role, s.track) for s in llm.timeline.spans}
@@ -74,24 +72,30 @@ def test_process_replicas_sample_like_in_process_and_trace(tiny, tmp_path):
     assert trace.is_file()
 
 
-def test_compute_processes_need_shm(tiny):
+def test_a_transport_that_no_longer_exists_is_a_clear_error(tiny):
+    """``transport`` only names the links between roles out of process: the former in-process
+    ``local`` is refused before anything starts."""
     folder, _ = tiny
-    with pytest.raises(ValueError, match="transport='shm'"):
-        LLM(str(folder), compute=2, compute_processes=True)
+    before = _children()
+    with pytest.raises(ValueError, match="transport must be one of auto, shm, tcp"):
+        LLM(str(folder), compute=2, placement="procs", transport="local")
+    assert _children() - before == set()
 
 
 @pytest.mark.parametrize("victim", ["memory node", "compute replica"])
 def test_killed_process_gives_clear_error_and_no_orphans(tiny, victim):
     folder, _ = tiny
     before = _children()
-    llm = LLM(str(folder), compute=2, memory=2, transport="shm", compute_processes=True)
+    llm = LLM(str(folder), compute=2, memory=2, placement="procs")
+    inst = llm.deployment.instances[0]
     if victim == "memory node":
-        pid = llm.pool.clients[1].process.pid
+        pid = inst.nodes[1].process.pid
         match = r"memory node 1 (\(pid \d+\) died|is gone)"
     else:
-        pid = llm.engine.worker.procs[1].pid
+        pid = inst.engine.worker.procs[1].pid
         # seen first by the engine, by a memory node replying to it, or by replica 0
         match = rf"compute replica 1 (\(pid {pid}\) )?is gone|previous replica is gone"
+    assert pid in _children() - before
     stream = llm.generate_stream([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=200,
                                                                  ignore_eos=True))
     next(stream)
@@ -99,19 +103,20 @@ def test_killed_process_gives_clear_error_and_no_orphans(tiny, victim):
     with pytest.raises(NodeFailure, match=match):
         for _ in stream:
             pass
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate([[1, 2]], GREEDY, use_tqdm=False)
     llm.close()
     psutil.wait_procs([psutil.Process(p) for p in _children() - before], timeout=10)
     assert _children() - before == set()
 
 
-@pytest.mark.slow
 def test_smollm2_process_replicas_rotational_matches_hf():
     texts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Hello",
              "Write a haiku about the sea.", "In 1492, Columbus"]
     loaded = load_model("smollm2")
     ids = [loaded.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     want = hf_greedy(loaded.model, ids, 12)
-    with LLM("smollm2", memory=2, transport="shm", compute=2, micro_batches=3,
-             pipeline="rotational", compute_processes=True) as llm:
+    with LLM("smollm2", memory=2, compute=2, micro_batches=3, pipeline="rotational",
+             placement="procs", transport="shm") as llm:
         outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want

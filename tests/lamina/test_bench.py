@@ -30,7 +30,7 @@ def test_run_trace_serves_every_request_and_accounts_the_time(folder):
     trace = synthetic_trace("short", 6, 40.0, 96, seed=0, scale=0.05, max_context=64)
     with LLM(folder, memory=2, kv_cache_tokens=128) as llm:
         r = run_trace(llm, trace, "lamina", parallel_nodes=False, progress=False)
-        assert not llm.engine.requests  # the runner leaves nothing behind
+        assert not llm.deployment.instances[0].engine.requests  # the runner leaves nothing behind
     assert r.completed == 6 and not r.errors
     assert r.output_tokens == sum(t.output_len for t in trace)
     assert r.throughput == pytest.approx(r.output_tokens / r.wall_s)
@@ -51,7 +51,7 @@ def test_run_trace_reports_requests_that_do_not_fit(folder):
 
 def test_grid_cell_counts_decode_steps_and_skips_what_does_not_fit(folder):
     with LLM(folder, memory=1, kv_cache_tokens=64) as llm:
-        cap = llm.engine.scheduler.total_capacity
+        cap = llm.deployment.instances[0].scheduler.total_capacity
         p = run_grid_cell(llm, GridCell(2, 8, 5), "lamina", cap)
         assert p.fits and p.throughput > 0 and p.token_latency_s > 0
         assert p.throughput == pytest.approx(2 / p.token_latency_s)
@@ -63,7 +63,7 @@ def test_lamina_bench_cli_writes_report_with_baselines(folder, tmp_path, capsys)
     out = tmp_path / "rep"
     rc = main(["bench", "--model", folder, "--workload", "mixed", "--requests", "5", "--rate", "50",
                "--scale", "0.02", "--batches", "1", "2", "--contexts", "8", "--new-tokens", "3",
-               "--transport", "local", "--kv-cache-gb", "2e-5", "--report", str(out)])
+               "--placement", "inproc", "--kv-cache-gb", "2e-5", "--report", str(out)])
     assert rc == 0
     names = {p.name for p in out.iterdir()}
     assert {"report.md", "results.json", "throughput_vs_batch.png", "latency_breakdown.png",

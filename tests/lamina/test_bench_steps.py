@@ -42,10 +42,10 @@ def test_hf_stepper_matches_generate_on_the_padded_batch():
 
 def test_lamina_stepper_decodes_one_token_per_request_per_step(case):
     folder, want = case
-    with LLM(str(folder), memory=2, transport="local") as llm:
+    with LLM(str(folder), memory=2, placement="inproc") as llm:
         stepper = LaminaStepper(llm, PROMPTS, STEPS)
         for _ in range(STEPS):
             stepper.step()
         assert [r.output_ids for r in stepper.reqs] == want
         assert all(r.finished for r in stepper.reqs)  # sized so that the last step ends them
-        assert not llm.engine.has_work()
+        assert not llm.deployment.has_work()

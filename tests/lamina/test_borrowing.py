@@ -9,9 +9,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from lamina.deployment.borrowing import (GManager, GManagerClient, Heartbeat, InstanceLoad, MoveCommand,  # noqa: E402
-                              RequestPlacementEntry, RManager, start_gmanager)
+from lamina.config import deployment_config  # noqa: E402
+from lamina.deployment.borrowing import (GManager, GManagerClient, Heartbeat,  # noqa: E402
+                                         InstanceLoad, MoveCommand, RequestPlacementEntry,
+                                         RManager, start_gmanager)
 from lamina.deployment.deployment import Deployment  # noqa: E402
+from lamina.instance import load_model_info, start_instance  # noqa: E402
 from lamina.types import SamplingParams  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
@@ -31,6 +34,15 @@ def ray_session():
     yield
     if started:
         ray.shutdown()
+
+
+def _deployment(folder, kv_cache_tokens: int) -> Deployment:
+    """Two in-process instances (one memory node each) whose gManager is a Ray actor."""
+    config = deployment_config(str(folder), instances=2, memory=1,
+                               kv_cache_tokens=kv_cache_tokens, slab_size=8)
+    info = load_model_info(config)
+    instances = [start_instance(config, i, info, None) for i in range(config.instances)]
+    return Deployment(instances, slab_size=config.cache.slab_size, gmanager="ray")
 
 
 def _load(inst, batch=1, waiting=0, total=10, used=0):
@@ -54,31 +66,32 @@ def test_heartbeat_deltas_and_resync_local():
         gm.heartbeat(Heartbeat(0, _load(0), [RequestPlacementEntry(9, 1, 1, True)]))
 
 
+@pytest.mark.slow
 def test_stale_map_rejects_and_no_data_moves(ray_session, tmp_path):
     """A move planned on an old placement version is refused by the gManager actor, and the
     deployment leaves every node as it was."""
     folder = tiny_folder("llama", tmp_path)
-    with Deployment.from_model(str(folder), instances=2, memory=1, kv_cache_tokens=64,
-                               slab_size=8, gmanager="ray") as d:
+    with _deployment(folder, kv_cache_tokens=64) as d:
         req = d.instances[0].engine.add_request(list(range(3, 30)), GREEDY)
         d.step()  # prefill: the request holds 4 slabs on instance 0
         d.step()
         gm = d.gmanager
         stale = MoveCommand(req.req_id, 0, 1, 2, version=0)
-        before = [c.stats().shards for i in d.instances for c in i.pool.clients]
+        before = [c.stats().shards for i in d.instances for c in i.nodes]
         assert gm.call("try_move_kvcache", stale) is None
         assert not d.move_kvcache(stale)
-        assert [c.stats().shards for i in d.instances for c in i.pool.clients] == before
+        assert [c.stats().shards for i in d.instances for c in i.nodes] == before
         assert gm.call("snapshot")["pending"] == {}
         # the same move with the current version goes through and the request goes on
         current = MoveCommand(req.req_id, 0, 1, 2, gm.call("version_of", req.req_id))
         assert d.move_kvcache(current)
-        assert d.instances[1].pool.clients[0].stats().shards[req.req_id] == (0, 16)
+        assert d.instances[1].nodes[0].stats().shards[req.req_id] == (0, 16)
         while d.has_work():
             d.step()
         assert req.error is None and len(req.output_ids) == GREEDY.max_tokens
 
 
+@pytest.mark.slow
 def test_concurrent_reservations_fcfs_without_overcommit(ray_session):
     gm = start_gmanager(slab_size=8)
     ray.get(gm.heartbeat.remote(Heartbeat(1, _load(1, total=10, used=0), full=True)))
@@ -102,6 +115,7 @@ def test_concurrent_reservations_fcfs_without_overcommit(ray_session):
     ray.kill(gm)
 
 
+@pytest.mark.slow
 def test_gmanager_restart_rebuilds_from_full_heartbeats(ray_session, tmp_path):
     """Kill the gManager mid-run; the new one asks every instance to resync, its map equals the
     old one, and every request finishes with the HF output."""
@@ -110,8 +124,7 @@ def test_gmanager_restart_rebuilds_from_full_heartbeats(ray_session, tmp_path):
     model.generation_config.eos_token_id = None
     prompts = [[(5 * s + 11 * j) % 90 + 3 for j in range(n)] for s, n in enumerate((45, 7, 12, 30))]
     want = hf_greedy(model, prompts, GREEDY.max_tokens)
-    with Deployment.from_model(str(folder), instances=2, memory=1, kv_cache_tokens=40,
-                               slab_size=8, gmanager="ray") as d:
+    with _deployment(folder, kv_cache_tokens=40) as d:
         reqs = [d.add_request(p, GREEDY) for p in prompts]
         for _ in range(3):
             d.step()

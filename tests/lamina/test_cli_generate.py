@@ -1,4 +1,5 @@
-"""``lamina generate`` on the builtin model with memory nodes as separate processes."""
+"""``lamina generate`` on the builtin model with the compute replica and memory nodes as separate
+processes."""
 import pytest
 
 from lamina.cli import main
@@ -6,7 +7,8 @@ from lamina.cli import main
 
 @pytest.mark.slow
 def test_generate_smollm2_over_shm(capsys):
-    rc = main(["generate", "--model", "smollm2", "--memory", "2", "--transport", "shm",
+    rc = main(["generate", "--model", "smollm2", "--memory", "2", "--placement", "procs",
+               "--transport", "shm",
                "--prompt", "The capital of France is", "--max-tokens", "6"])
     out = capsys.readouterr().out
     assert rc == 0

@@ -1,17 +1,20 @@
-"""Ray-placed instances (``start_deployment``, what ``lamina launch --instances`` runs): every
-compute replica and memory node in a process of its own. A request longer than any pool
-borrows a creditor's node over the wire and matches HF; the gManager's moves copy KV between
-node processes while the instances decode and leave outputs unchanged; an instance whose
-memory node dies ends its own requests with a clear error while the other instance goes on."""
+"""Ray-placed instances (``start_deployment`` of a ``placement="ray"`` config, what ``lamina
+launch --instances`` runs): every compute replica and memory node a Ray actor of its own. A
+request longer than any pool borrows a creditor's node over the wire and matches HF; the
+gManager's moves copy KV between node processes while the instances decode and leave outputs
+unchanged; an instance whose memory node dies ends its own requests with a clear error while
+the other instance goes on."""
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from lamina.config import deployment_config  # noqa: E402
+from lamina.deployment import start_deployment  # noqa: E402
 from lamina.deployment.borrowing import PerfModel  # noqa: E402
-from lamina.cluster import start_deployment  # noqa: E402
 from lamina.types import SamplingParams  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
@@ -40,6 +43,13 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [(7 * seed + 13 * j + 3) % 90 + 3 for j in range(n)]
 
 
+def _start(folder, *, perf=None, **kw):
+    """A deployment of two Ray-placed instances (the module's Ray, which it does not stop)."""
+    tuning = {k: kw.pop(k) for k in ("beta_thres", "util_thres") if k in kw}
+    config = replace(deployment_config(folder, instances=2, placement="ray", **kw), **tuning)
+    return start_deployment(config, perf=perf)
+
+
 def _run(d, reqs):
     while d.has_work():
         d.step()
@@ -48,7 +58,7 @@ def _run(d, reqs):
 
 def _no_kv_left(d) -> None:
     for inst in d.instances:
-        assert [c.stats().used_slots for c in inst.pool.clients] == [0] * inst.own_nodes
+        assert [c.stats().used_slots for c in inst.nodes] == [0] * inst.own_nodes
         s = inst.scheduler
         assert sum(s.capacity[:inst.own_nodes]) == sum(inst.physical)  # every loan came back
 
@@ -58,8 +68,7 @@ def test_remote_borrowing_of_a_request_longer_than_any_pool(tiny):
     cap = 40
     prompts = [_prompt(52, 1), _prompt(9, 2), _prompt(4, 3)]
     want = hf_greedy(model, prompts, GREEDY.max_tokens)
-    d = start_deployment(folder, instances=2, memory=1, transport="shm", kv_cache_tokens=cap,
-                         slab_size=8)
+    d = _start(folder, memory=1, transport="shm", kv_cache_tokens=cap, slab_size=8)
     try:
         assert d.gmanager is not None and d.gmanager.remote  # the gManager is a Ray actor
         reqs = _run(d, [d.add_request(p, GREEDY) for p in prompts])
@@ -76,8 +85,8 @@ def test_remote_moves_overlap_decoding_and_keep_output(tiny):
     perf = PerfModel([1, 8], [1e-3, 2e-3], [8, 64], [1e-5, 4e-5])
     prompts = [_prompt(26, s) for s in range(4)]
     want = hf_greedy(model, prompts, GREEDY.max_tokens)
-    d = start_deployment(folder, instances=2, memory=1, transport="tcp", kv_cache_tokens=96,
-                         slab_size=8, beta_thres=4, util_thres=0.5, perf=perf, plan_every=2)
+    d = _start(folder, memory=1, transport="tcp", kv_cache_tokens=96, slab_size=8,
+               beta_thres=4, util_thres=0.5, perf=perf, plan_every=2)
     try:
         reqs = _run(d, [d.instances[0].engine.add_request(p, GREEDY) for p in prompts])
         assert d.moves > 0
@@ -91,13 +100,12 @@ def test_a_dead_instance_fails_its_requests_and_the_other_goes_on(tiny):
     folder, model = tiny
     prompts = [_prompt(12, s) for s in range(4)]
     want = hf_greedy(model, prompts, GREEDY.max_tokens)
-    d = start_deployment(folder, instances=2, memory=1, kv_cache_tokens=128, slab_size=8,
-                         borrowing=False)
+    d = _start(folder, memory=1, kv_cache_tokens=128, slab_size=8, borrowing=False)
     try:
         reqs = [d.add_request(p, GREEDY) for p in prompts]
         assert {r.req_id // (1 << 40) for r in reqs} == {0, 1}  # the router used both
         d.step()
-        ray.kill(d.instances[1].host.memory[0])
+        ray.kill(d.instances[1].nodes[0].process.actor)  # the memory node's actor dies
         _run(d, reqs)
         for r, w in zip(reqs, want):
             if r.req_id // (1 << 40) == 1:

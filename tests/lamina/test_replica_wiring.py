@@ -6,14 +6,17 @@ import threading
 import pytest
 import torch
 
-from lamina.memnode import MemoryNode
-from lamina.remote import NodeServer, RemoteNode
 from lamina.computenode.attend import NodeRoute
-from lamina.transport.step_codec import parse_step, step_message, step_uniforms
+from lamina.memnode import MemoryNode
+from lamina.memnode.server import NodeServer
 from lamina.transport import codec
-from lamina.transport.shm import ShmChannel, shm_pair
+from lamina.transport.endpoint import connect
+from lamina.transport.node_client import RemoteNode
+from lamina.transport.shm import shm_pair
+from lamina.transport.step_codec import parse_step, step_message, step_uniforms
 from lamina.transport.wire import MsgKind, WireError, decode, encode_bytes
-from lamina.types import AttendMsg, AttentionSpec, PrepareMsg, SamplingParams, Segment, ShardWork, StepPlan
+from lamina.types import (AttendMsg, AttentionSpec, PrepareMsg, SamplingParams, Segment,
+                          ShardWork, StepPlan)
 
 SPEC = AttentionSpec(layer=0, num_heads=2, num_kv_heads=1, head_dim=4, scale=0.5)
 
@@ -28,7 +31,7 @@ def _qkv(n: int, seed: int):
 def served():
     """A NodeServer on one end of a pair, in a thread; the engine's RemoteNode on the other."""
     engine_end, node_end = shm_pair(capacity=1 << 16)
-    server = NodeServer(MemoryNode([SPEC], 64, slab_size=4), ring_bytes=1 << 16)
+    server = NodeServer(MemoryNode([SPEC], 64, slab_size=4))
     thread = threading.Thread(target=server.serve, args=(node_end,), daemon=True)
     thread.start()
     client = RemoteNode(engine_end, None, "memory node 0")
@@ -38,9 +41,11 @@ def served():
     assert not thread.is_alive()
 
 
-def test_attend_replies_go_to_the_reply_to_peer(served):
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_attend_replies_go_to_the_reply_to_peer(served, kind):
     server, client = served
-    peers = [ShmChannel.attach(client.open_peer(i)) for i in range(2)]
+    peers = [connect(client.open_peer(i, kind)) for i in range(2)]
+    assert [p.__class__.__name__ for p in peers] == [f"{kind.capitalize()}Channel"] * 2
     assert sorted(server.peers) == [0, 1]
     works = [ShardWork(7, 0, 3, 0, 3)]
     peers[0].send(codec.to_message(PrepareMsg(1, works)))

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible app over an in-process engine (tiny llama, no tokenizer, no Ray)."""
+"""The OpenAI-compatible app over an in-process deployment (tiny llama, no tokenizer, no Ray)."""
 import os
 import sys
 
@@ -17,7 +17,7 @@ from tiny_models import tiny_folder  # noqa: E402
 def client(tmp_path_factory):
     path = tiny_folder("llama", tmp_path_factory.mktemp("llama"))
     with LLM(path, memory=2, kv_cache_tokens=64) as llm:
-        engine = AsyncEngine(llm.engine)
+        engine = AsyncEngine(llm.deployment)  # what ``lamina launch`` serves
         app = build_app(engine, None, "tiny", api_key="k", max_model_len=128)
         with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
             yield c

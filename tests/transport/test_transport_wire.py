@@ -10,9 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lamina.transport.wire import (DEFAULT_LIMITS, SUPPORTED_DTYPES, Message, MsgKind,
-                                   StreamDecoder, WireError, WireLimits, decode, encode,
-                                   encode_bytes, unpack_header)
+from lamina.transport.wire import (DEFAULT_LIMITS, SUPPORTED_DTYPES, Message, MsgKind, WireError, WireLimits, decode, encode, encode_bytes, unpack_header)
+from lamina.transport.stream import StreamDecoder
 from wire_cases import MALFORMED, MALFORMED_MATCH, assert_same, raw_message
 
 HDR = struct.Struct("<4sHHqqqIIQ")
