@@ -135,6 +135,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None
+    max_queued_requests: int = 1024  # beyond the running ones; one more is answered 429
 
 
 def deployment_config(model: str = "smollm2", *, compute: int = 1, memory: int = 1,

@@ -200,6 +200,8 @@ class Engine:
         limit = self.scheduler.config.max_model_len
         if limit is not None and req.num_tokens >= limit:
             return "length"
+        if req.num_tokens >= self.scheduler.max_capacity:  # its KV could grow no further
+            return "length"
         return None
 
     def _free(self, req_ids: list[int]) -> None:

@@ -17,6 +17,7 @@ import multiprocessing
 from typing import Any, Callable, Protocol
 
 from lamina.omp import warn_if_spinning
+from lamina.proctitle import run_titled
 
 LOCAL = {"node_id": "local", "ip": "127.0.0.1"}  # where every role of one host runs
 
@@ -57,7 +58,8 @@ class ProcessLauncher:
     def start(self, target: Callable[..., Any], args: tuple, name: str, *, role: str = "",
               device: str = "cpu") -> RoleHandle:
         warn_if_spinning()
-        p = self.ctx.Process(target=target, args=args, name=name, daemon=True)
+        p = self.ctx.Process(target=run_titled, args=(name, target, args), name=name,
+                             daemon=True)
         p.start()
         p.where = LOCAL
         return p

@@ -62,8 +62,9 @@ def start_roles(launcher: Launcher, target: Callable[..., Any], configs: list[di
     try:
         for i, cfg in enumerate(configs):
             lst = listen(*launcher.control_link(transport))
-            handles.append(launcher.start(target, (lst.endpoint, cfg),
-                                          f"lamina-{role}-{i}", role=role, device=device))
+            label = "memory node" if role == "memory" else "replica"
+            handles.append(launcher.start(target, (lst.endpoint, cfg), f"lamina: {label} {i}",
+                                          role=role, device=device))
             ch = lst.channel()
             ch.set_peer_alive(handles[-1].is_alive)
             channels.append(ch)

@@ -18,6 +18,8 @@ from typing import Any, Callable
 import psutil
 import ray
 
+from lamina.proctitle import set_title
+
 
 def here() -> dict[str, Any]:
     """Where the calling process runs (a driver or an actor): ``{"node_id", "ip"}``."""
@@ -32,7 +34,8 @@ class RoleActor:
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
 
-    def run(self, target: Callable[..., Any], args: tuple) -> dict[str, Any]:
+    def run(self, target: Callable[..., Any], args: tuple, title: str) -> dict[str, Any]:
+        set_title(title)  # the actor's process hosts this role only
         self.thread = threading.Thread(target=target, args=args, daemon=True)
         self.thread.start()
         return {**here(), "pid": os.getpid()}
@@ -108,7 +111,7 @@ class RayLauncher:
         gpus = 1 if str(device).startswith("cuda") else 0
         actor = RoleActor.options(name=None, num_gpus=gpus,
                                   resources={f"lamina_{role}": 1}).remote()
-        info = ray.get(actor.run.remote(target, args))
+        info = ray.get(actor.run.remote(target, args, name))
         return RayRole(actor, info, local=info["node_id"] == self.here["node_id"])
 
     def control_link(self, transport: str) -> tuple[str, str]:

@@ -2,13 +2,24 @@
 
 Endpoints: ``/v1/completions`` and ``/v1/chat/completions`` (streaming as server-sent events
 and non-streaming, with usage counts), ``/v1/models``, ``/health``, ``/metrics`` (Prometheus).
-Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
-status; the server keeps serving. With an API key set, every ``/v1`` route needs
-``Authorization: Bearer KEY``.
+Every error, including unknown routes, malformed bodies and internal errors, is OpenAI-style
+JSON ``{"error": {"message", "type", "param", "code"}}``; the server keeps serving.
+
+Limits: ``max_tokens`` is capped so prompt + output fit the model's context (a prompt that
+alone does not fit the context or the memory nodes' KV is a 400); when ``max_open`` requests
+are already open the answer is 429 with ``Retry-After``. A client that disconnects aborts its
+request (streaming or not) and its KV is freed.
+
+With an API key set, every ``/v1`` route needs ``Authorization: Bearer KEY``; ``/health`` and
+``/metrics`` stay open (as in vLLM: probes and Prometheus scrapers carry no key; the server
+binds 127.0.0.1 unless told otherwise).
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import logging
 import secrets
 import time
 from typing import Any
@@ -17,22 +28,32 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lamina.server.async_engine import AsyncEngine
+from lamina.server.async_engine import AsyncEngine, Overloaded
 from lamina.server.metrics import render_metrics
 from lamina.types import SamplingParams
 
 
+log = logging.getLogger("lamina.server")
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.2
+
+
 class APIError(Exception):
+    """An error answered as OpenAI-style JSON with HTTP ``status`` (and optional headers)."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type_, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": str(self), "type": self.type,
                                        "param": self.param, "code": self.code}},
-                            status_code=self.status)
+                            status_code=self.status, headers=self.headers)
 
 
 class _Common(BaseModel):
@@ -77,17 +98,28 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # loc is ("body", character offset)
+            return APIError(400, f"the request body is not valid JSON: {first.get('msg')} "
+                                 f"(at character {first.get('loc', ('', '?'))[-1]})").response()
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return APIError(400, f"invalid request: {loc}: {first.get('msg', e)}", param=loc or None).response()
+        if not loc:
+            return APIError(400, f"the request body must be a JSON object ({first.get('msg', e)})"
+                            ).response()
+        return APIError(400, f"invalid request: {loc}: {first.get('msg', e)}",
+                        param=loc).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            if not secrets.compare_digest(got, f"Bearer {api_key}"):
-                return APIError(401, "missing or wrong API key", "authentication_error",
-                                code="invalid_api_key").response()
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return APIError(e.status_code, str(e.detail), type_, headers=e.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        log.exception("internal error")
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()
+
+    if api_key:
+        app.add_middleware(_RequireKey, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -125,30 +157,51 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
             raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    async def run(prompt_ids, params, stream: bool, include_usage: bool, make_chunk, make_final):
+    def fit_context(prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Cap max_tokens so prompt + output fit the context; 400 if the prompt alone does not."""
+        if max_model_len is None:
+            return params
+        room = max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's maximum "
+                                f"context length is {max_model_len} tokens", param="prompt",
+                           code="context_length_exceeded")
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+
+    async def run(raw: Request, prompt_ids, params, stream: bool, include_usage: bool,
+                  make_chunk, make_final):
         rid = secrets.token_hex(12)
-        gen = engine.generate(prompt_ids, params)
+        gen = engine.generate(prompt_ids, fit_context(prompt_ids, params))
         try:
             first = await gen.__anext__()  # surfaces ValueError before any byte is sent
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from e
+        except Overloaded as e:
+            raise APIError(429, str(e), "rate_limit_error", code="server_busy",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         except RuntimeError as e:
-            raise APIError(503, str(e), "server_error") from e
+            raise APIError(503, str(e), "server_error", code="service_unavailable") from e
 
         def usage(n_out: int) -> dict:
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
                     "total_tokens": len(prompt_ids) + n_out}
 
         if not stream:
-            text, n_out, reason, delta = "", 0, None, first
-            while True:
-                text += delta.text
-                n_out += len(delta.token_ids)
-                if delta.finished:
-                    reason = delta.finish_reason
-                    break
-                delta = await gen.__anext__()
-            return make_final(rid, text, reason, usage(n_out))
+            async def collect() -> dict:
+                text, n_out, delta = "", 0, first
+                while True:
+                    text += delta.text
+                    n_out += len(delta.token_ids)
+                    if delta.finished:
+                        return make_final(rid, text, delta.finish_reason, usage(n_out))
+                    delta = await gen.__anext__()
+
+            try:
+                return await _unless_disconnected(raw, collect())
+            except RuntimeError as e:
+                raise APIError(503, str(e), "server_error", code="service_unavailable") from e
+            finally:
+                await gen.aclose()  # a no-op when finished; else aborts and frees the KV
 
         async def sse():
             n_out, delta = 0, first
@@ -167,15 +220,17 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
                     chunk["choices"], chunk["usage"] = [], usage(n_out)
                     yield _sse(chunk)
                 yield "data: [DONE]\n\n"
-            except RuntimeError as e:
-                yield _sse({"error": {"message": str(e), "type": "server_error"}})
+            except RuntimeError as e:  # the stream ends properly even when the engine fails
+                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                      "code": "service_unavailable"}})
+                yield "data: [DONE]\n\n"
             finally:
                 await gen.aclose()
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, raw: Request):
         params = params_of(req, req.max_tokens)
         p = req.prompt
         if isinstance(p, list) and p and not isinstance(p[0], int):
@@ -201,10 +256,10 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
                                                       "finish_reason": reason}], "usage": usage}
 
         include = bool((req.stream_options or {}).get("include_usage"))
-        return await run(prompt_ids, params, req.stream, include, chunk, final)
+        return await run(raw, prompt_ids, params, req.stream, include, chunk, final)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, raw: Request):
         params = params_of(req, req.max_completion_tokens or req.max_tokens)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"model '{model_name}' has no chat template", param="messages")
@@ -230,9 +285,41 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
                                  "logprobs": None, "finish_reason": reason}], "usage": usage}
 
         include = bool((req.stream_options or {}).get("include_usage"))
-        return await run(prompt_ids, params, req.stream, include, chunk, final)
+        return await run(raw, prompt_ids, params, req.stream, include, chunk, final)
 
     return app
+
+
+class _RequireKey:
+    """ASGI middleware: ``/v1`` routes need ``Authorization: Bearer KEY`` (a plain ASGI layer,
+    so handlers still see the client's disconnect)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.want = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.want):
+                await APIError(401, "missing or wrong API key", "authentication_error",
+                               code="invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unless_disconnected(raw: Request, work) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its request)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client disconnected", code="client_closed_request")
+    finally:
+        task.cancel()
 
 
 def _content(content) -> str:

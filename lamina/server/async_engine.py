@@ -7,6 +7,9 @@ Only the engine thread touches the Engine (and through it the compute replica an
 nodes). Submissions and aborts are commands on a thread-safe queue; results are delivered to
 the caller's event loop with ``call_soon_threadsafe``. When the engine fails (a memory node
 died), every open request ends with that error and new submissions are refused.
+
+Admission is bounded: at most ``max_open`` requests are open at once (running or waiting);
+one more raises :class:`Overloaded` before anything is queued, so the server can answer 429.
 """
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ from lamina.engine.request import Request
 from lamina.types import SamplingParams
 
 STATS_INTERVAL_S = 1.0
+
+
+class Overloaded(RuntimeError):
+    """Too many open requests: the submission was refused and nothing was queued."""
 
 
 @dataclass
@@ -54,8 +61,12 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine | Deployment, tokenizer=None, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine: Engine | Deployment, tokenizer=None,
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 max_open: int | None = None) -> None:
         self.engine = engine
+        self.max_open = max_open
+        self._open = 0  # requests inside generate(); touched by the caller's event loop only
         self.tokenizer = tokenizer
         self.metrics = EngineMetrics(kv_capacity_slots=engine.kv_slots()[1])
         self._cmds: queue.Queue = queue.Queue()
@@ -68,9 +79,29 @@ class AsyncEngine:
 
     # -- caller side (any thread / event loop) ---------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
-        """Yield deltas of one request; raises ValueError (nothing queued) for a bad request."""
+        """Yield deltas of one request; raises ValueError (nothing queued) for a bad request and
+        :class:`Overloaded` (nothing queued) when ``max_open`` requests are already open.
+        Closing the generator early aborts the request and frees its KV."""
         if self._fatal is not None:
             raise RuntimeError(f"the engine has failed: {self._fatal}")
+        if self.max_open is not None and self._open >= self.max_open:
+            raise Overloaded(f"the server is at capacity ({self._open} open requests); "
+                             "retry later")
+        self._open += 1
+        inner = self._generate(prompt_ids, params)
+        try:
+            async for delta in inner:
+                yield delta
+        finally:
+            self._open -= 1
+            await inner.aclose()  # runs its abort now, not whenever it is collected
+
+    @property
+    def open_requests(self) -> int:
+        return self._open
+
+    async def _generate(self, prompt_ids: list[int],
+                        params: SamplingParams) -> AsyncIterator[StreamDelta]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         q: asyncio.Queue = asyncio.Queue()

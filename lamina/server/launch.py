@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from lamina.cli_args import add_deployment_args, config_from_args
 from lamina.config import ServerConfig
+from lamina.proctitle import set_title
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -32,6 +33,7 @@ def run_launch(args: argparse.Namespace) -> int:
     from lamina.server.app import build_app
     from lamina.server.async_engine import AsyncEngine
 
+    set_title("lamina: server")
     bar = tqdm(desc="lamina launch", unit="stage", file=sys.stderr,
                bar_format="{desc}: {n} {postfix}")
 
@@ -41,7 +43,8 @@ def run_launch(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        server_cfg = ServerConfig(args.host, args.port, args.api_key, args.served_model_name)
+        server_cfg = ServerConfig(args.host, args.port, args.api_key, args.served_model_name,
+                                  args.max_queued_requests)
         deployment = start_deployment(config, progress=progress)
     except (ValueError, ModelLoadError) as e:
         bar.close()
@@ -49,7 +52,9 @@ def run_launch(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = deployment.instances[0].engine
-        aengine = AsyncEngine(deployment, engine.tokenizer)
+        running = config.instances * config.scheduler.max_num_seqs
+        aengine = AsyncEngine(deployment, engine.tokenizer,
+                              max_open=running + server_cfg.max_queued_requests)
         name = server_cfg.served_model_name or config.model.model
         app = build_app(aengine, engine.tokenizer, name, api_key=server_cfg.api_key,
                         max_model_len=engine.scheduler.config.max_model_len)
@@ -91,5 +96,9 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the model id clients use (default: --model)")
     p.add_argument("--host", default=s.host)
     p.add_argument("--port", type=int, default=s.port)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                                     "(/health and /metrics stay open)")
+    p.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
+                   help="requests that may wait beyond the running ones; more get 429 with "
+                        "Retry-After")
     p.set_defaults(func=run_launch)

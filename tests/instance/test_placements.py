@@ -107,8 +107,9 @@ def test_borrowing_request_longer_than_one_pool(tiny, request, placement):
 
 
 @pytest.mark.slow
-def test_procs_roles_pin_themselves_to_their_cores(tiny):
-    """device / memory_device name the cores each side owns; every role process runs there."""
+def test_procs_roles_pin_themselves_to_their_cores_and_name_themselves(tiny):
+    """device / memory_device name the cores each side owns; every role process runs there
+    and names its role in ``ps``."""
     folder, _, want = tiny
     cores = sorted(__import__("os").sched_getaffinity(0))
     if len(cores) < 2:
@@ -117,9 +118,11 @@ def test_procs_roles_pin_themselves_to_their_cores(tiny):
     with LLM(str(folder), compute=2, memory=2, placement="procs", device=f"cpu:{a}",
              memory_device=f"cpu:{b}") as llm:
         inst = llm.deployment.instances[0]
-        for proc in inst.engine.worker.procs:
+        for i, proc in enumerate(inst.engine.worker.procs):
             assert psutil.Process(proc.pid).cpu_affinity() == [a]
-        for node in inst.nodes:
+            assert " ".join(psutil.Process(proc.pid).cmdline()).strip() == f"lamina: replica {i}"
+        for i, node in enumerate(inst.nodes):
             assert psutil.Process(node.process.pid).cpu_affinity() == [b]
+            assert " ".join(psutil.Process(node.process.pid).cmdline()).strip() == f"lamina: memory node {i}"
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want

@@ -1,8 +1,13 @@
 """The OpenAI-compatible app over an in-process deployment (tiny llama, no tokenizer, no Ray)."""
+import json
 import os
+import socket
 import sys
+import threading
+import time
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from lamina import LLM
@@ -18,8 +23,9 @@ def client(tmp_path_factory):
     path = tiny_folder("llama", tmp_path_factory.mktemp("llama"))
     with LLM(path, memory=2, kv_cache_tokens=64) as llm:
         engine = AsyncEngine(llm.deployment)  # what ``lamina launch`` serves
-        app = build_app(engine, None, "tiny", api_key="k", max_model_len=128)
+        app = build_app(engine, None, "tiny", api_key="k", max_model_len=256)
         with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
+            c.engine = engine
             yield c
         engine.shutdown()
 
@@ -69,3 +75,87 @@ def test_api_key_is_required(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
     assert "lamina_kv_slots_capacity" in client.get("/metrics").text
+
+
+def _ok(client) -> None:
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("method,path,kwargs,status,needle", [
+    ("post", "/v1/completions", dict(content=b'{"model": "tiny", "prompt": [1,',
+                                     headers={"content-type": "application/json"}), 400, "not valid JSON"),
+    ("post", "/v1/completions", dict(content=b'plain words'), 400, "a JSON object"),
+    ("post", "/v1/completions", dict(content=b'{"model": "\xff\xfe"}',
+                                     headers={"content-type": "application/json"}), 400, "parsing the body"),
+    ("get", "/v1/nothing-here", {}, 404, "Not Found"),
+    ("get", "/v1/completions", {}, 405, "Method Not Allowed"),
+])
+def test_every_error_is_openai_json(client, method, path, kwargs, status, needle):
+    r = getattr(client, method)(path, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["param"] is None and {"type", "code"} <= set(err)
+    _ok(client)
+
+
+def test_huge_max_tokens_is_capped_by_the_context(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7],
+                                             "max_tokens": 10**12, "temperature": 0,
+                                             "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["total_tokens"] <= 128  # the 2 x 64 KV slots (the context is 256)
+
+
+def test_a_prompt_longer_than_the_context_is_a_400(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1] * 256})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_full_queue_answers_429_with_retry_after(client):
+    client.engine.max_open = 0
+    try:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]})
+    finally:
+        client.engine.max_open = None
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    _ok(client)
+
+
+def _wait(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_client_that_disconnects_aborts_its_non_streaming_request(client, monkeypatch):
+    engine = client.engine
+    step = engine.engine.step
+    monkeypatch.setattr(engine.engine, "step", lambda: (time.sleep(0.05), step())[1])  # slow
+    server = uvicorn.Server(uvicorn.Config(client.app, host="127.0.0.1", port=0,
+                                           log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: server.started, "the server")
+        port = server.servers[0].sockets[0].getsockname()[1]
+        finished = dict(engine.metrics.finished)
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100,
+                           "temperature": 0, "ignore_eos": True})
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                          f"Authorization: Bearer k\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+            _wait(lambda: engine.open_requests == 1, "the request to start")
+        _wait(lambda: engine.open_requests == 0, "the request to be aborted")
+        _wait(lambda: engine.engine.counts() == (0, 0), "the engine to drop it")
+        assert engine.metrics.finished == finished  # aborted, not run to its end
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    _ok(client)
