@@ -1,4 +1,4 @@
-"""The ``lamina`` command line: ``lamina split|generate|launch|bench``."""
+"""The ``lamina`` command line: ``lamina split|generate|launch|bench|plan``."""
 from __future__ import annotations
 
 import argparse
@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch(sub)
     from lamina.benchmark.run import add_parser as add_bench
     add_bench(sub)
+    from lamina.costmodel.plan_cli import add_parser as add_plan
+    add_plan(sub)
     return p
 
 
