@@ -14,17 +14,21 @@ step of every method per round, median over rounds).
   decode tokens of all requests interleaved), plus a ``chunk`` step (16 decode requests and one
   128-token prompt) and a ``prompts`` step (16 whole prompts of 16..160 tokens: a prefill); at
   torch's thread count and at 1 thread (shm memory nodes run single-threaded).
-* ``grid``: uniform contexts (batch 1..64 x 256..4096 tokens), slots a random subset of the
-  pool; ``GB/s`` = KV bytes read / time and ``% copy`` = that over a plain ``dst.copy_(src)`` of
-  the KV's size (read + write bytes), timed in the same rounds.
+* ``grid``: uniform contexts (batch 1..64 x 256..4096 tokens), each request's slots shuffled
+  16-token slabs of the pool, float32 and bfloat16 pools, at 1 thread and at torch's thread
+  count; one call per pool layer per round (at least 2 layers, cache-cold). ``GB/s`` = KV bytes
+  read / time and ``% copy`` = that over a plain ``dst.copy_(src)`` of the KV's size (read +
+  write bytes), timed in the same rounds.
 
-Methods: ``torch_batched`` (old default: padded gather + bmm), ``torch_cpu`` (new default:
-sparse ops, :mod:`lamina.kernels.torch_sparse`), ``reference`` (per-request loop; fewer rounds).
+Methods: ``cpp`` (the C++ kernel, :mod:`lamina.kernels.cpp_ext`; the CPU default),
+``torch_cpu`` (the torch path: sparse ops, :mod:`lamina.kernels.torch_sparse`),
+``torch_batched`` (padded gather + bmm), ``reference`` (per-request loop; steps only, fewer
+rounds). ``torch_cpu / cpp`` and ``batched / cpp``: the other method's time over cpp's.
 On CUDA (32/8/128 bfloat16, same call repeated): ``triton``, ``sdpa_padded`` (contiguous, no
 paging) and ``torch_batched``.
 
-    python bench/kernels.py            # steps + grid (~10 minutes on 2 CPU cores)
-    python bench/kernels.py --quick    # smoke run
+    python bench/kernels.py            # steps + grid (~8 minutes on 2 idle CPU cores)
+    python bench/kernels.py --quick    # smoke run (under a minute; pools of 256 MiB)
 
 Writes ``bench/results/kernels_<device>.json`` and ``.md``. Never asserts speed.
 """
@@ -46,21 +50,27 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lamina.kernels import (paged_attention_batched, paged_attention_cpu,  # noqa: E402
-                            paged_attention_ref, plan_cache)
+from lamina.kernels import (cpp_ext, paged_attention_batched,  # noqa: E402
+                            paged_attention_cpu, paged_attention_ref, plan_cache)
 from lamina.memnode.allocator import SlabAllocator  # noqa: E402
 from lamina.types import AttentionSpec  # noqa: E402
 
-STEPS = [(r, lo, hi) for r in (16, 32, 64) for lo, hi in ((16, 184), (100, 500))]
+# (requests, context lo, hi, kind): see cpu_case
+STEPS = [(r, lo, hi, "decode") for r in (16, 32, 64) for lo, hi in ((16, 184), (100, 500))] \
+    + [(16, 16, 184, "chunk"), (16, 16, 160, "prompts")]
 FULL_GRID = [(b, c) for b in (1, 8, 32, 64) for c in (256, 1024, 4096)]
-QUICK_STEPS, QUICK_GRID = [(16, 16, 184), (64, 100, 500)], [(8, 1024)]
+QUICK_STEPS, QUICK_GRID = [(16, 16, 184, "decode"), (16, 16, 184, "chunk")], [(32, 1024)]
+SLAB = 16  # tokens per slab of the grid's slot layout
+GRID_DTYPES = (torch.float32, torch.bfloat16)
 SHAPES = {"cpu": (9, 3, 64, torch.float32), "cuda": (32, 8, 128, torch.bfloat16)}
 POOL_BUDGET = 3 << 29  # bytes of K+V over all cycled layers
+QUICK_POOL_BUDGET = 1 << 28  # --quick: fewer cycled layers (still far beyond the caches)
+REF_CALLS = 3  # the reference times this many calls per step (it is ~10-100x slower)
 SERVING_SLOTS = (1 << 30) // (30 * 2 * 3 * 64 * 4)  # pool of the default kv_cache_gb=1 (SmolLM2)
 CALLS_PER_STEP = 30  # SmolLM2-135M has 30 attention layers
 CHUNK = 128  # prompt tokens of the prefill chunk in the mixed step
-CPU_METHODS = {"torch_batched": paged_attention_batched, "torch_cpu": paged_attention_cpu,
-               "reference": paged_attention_ref}
+CPU_METHODS = {"cpp": cpp_ext.paged_attention_cpp, "torch_batched": paged_attention_batched,
+               "torch_cpu": paged_attention_cpu, "reference": paged_attention_ref}
 
 
 def _spec(heads: int, kv_heads: int, head_dim: int) -> AttentionSpec:
@@ -88,51 +98,71 @@ def allocator_slots(ctx: np.ndarray, rng: np.random.Generator, cap: int, prefill
     return [np.asarray(s, dtype=np.int64) for s in slots]
 
 
-def cpu_case(ctx: np.ndarray, layout: str, kind: str = "decode", seed: int = 0) -> dict:
+def slab_slots(ctx: np.ndarray, rng: np.random.Generator, cap: int) -> list[np.ndarray]:
+    """Each request's slots: shuffled ``SLAB``-token slabs of a ``cap``-slot pool."""
+    slabs = rng.permutation(cap // SLAB)
+    out, used = [], 0
+    for n in ctx:
+        k = -(-int(n) // SLAB)
+        out.append((slabs[used:used + k, None] * SLAB + np.arange(SLAB)).reshape(-1)[:n])
+        used += k
+    return out
+
+
+def cpu_case(ctx: np.ndarray, layout: str, kind: str = "decode", seed: int = 0,
+             dtype: torch.dtype | None = None, budget: int = POOL_BUDGET) -> dict:
     """Pool, per-layer queries and index tensors of one step: ``decode`` (one query per
     request), ``chunk`` (and one more request: a ``CHUNK``-token prompt) or ``prompts`` (every
-    request a whole prompt of ``ctx`` tokens)."""
-    heads, kv_heads, head_dim, dtype = SHAPES["cpu"]
+    request a whole prompt of ``ctx`` tokens). ``layout``: ``alloc`` (the allocator after
+    churn), ``slabs`` (shuffled 16-token slabs) or ``perm`` (a random subset of slots).
+    ``budget``: bytes of K+V over the cycled layers."""
+    heads, kv_heads, head_dim, default = SHAPES["cpu"]
+    dtype = dtype or default
+    esize = torch.empty(0, dtype=dtype).element_size()
     rng = np.random.default_rng(seed)
     prefill = CHUNK if kind == "chunk" else 0
     S = max(int(ctx.sum()) + prefill + 4096, SERVING_SLOTS)
+    S += -S % SLAB
     if layout == "alloc":
         slots = allocator_slots(ctx, rng, S, prefill, 0.0 if kind == "prompts" else 0.6)
+    elif layout == "slabs":
+        slots = slab_slots(ctx, rng, S)
     else:
         slots = np.split(rng.permutation(S)[: int(ctx.sum())], np.cumsum(ctx)[:-1])
     lens = np.array([s.size for s in slots])
     q_lens = lens if kind == "prompts" else np.array([1] * ctx.size + [prefill] * bool(prefill))
     q_pos = np.concatenate([np.arange(n - q, n) for n, q in zip(lens, q_lens)])
-    layer_bytes = 2 * S * kv_heads * head_dim * 4
-    L = int(min(30, max(2, POOL_BUDGET // layer_bytes)))
+    layer_bytes = 2 * S * kv_heads * head_dim * esize
+    L = int(min(30, max(2, budget // layer_bytes)))
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(L, S, kv_heads, head_dim, generator=g, dtype=dtype)
-    v = torch.randn(L, S, kv_heads, head_dim, generator=g, dtype=dtype)
+    k = torch.randn(L, S, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(L, S, kv_heads, head_dim, generator=g).to(dtype)
     T = int(q_lens.sum())
-    qs = [torch.randn(T, heads, head_dim, generator=g, dtype=dtype) for _ in range(L)]
+    qs = [torch.randn(T, heads, head_dim, generator=g).to(dtype) for _ in range(L)]
     idx = (torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)])),
            torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])),
            torch.from_numpy(np.concatenate(slots)), torch.from_numpy(q_pos),
            torch.zeros(lens.size, dtype=torch.int64))
-    kv_bytes = 2 * int(lens.sum()) * kv_heads * head_dim * 4
+    kv_bytes = 2 * int(lens.sum()) * kv_heads * head_dim * esize
     return dict(k=k, v=v, qs=qs, idx=idx, spec=_spec(heads, kv_heads, head_dim), L=L,
-                kv_bytes=kv_bytes)
+                kv_bytes=kv_bytes, dtype=dtype)
 
 
-def time_steps(case: dict, methods: dict, reps: int, warmup: int, ref_every: int
-               ) -> dict[str, float]:
-    """Median seconds per call of each method, one full step (all layers) per method per
-    round, rounds interleaved; ``reference`` runs every ``ref_every``-th round only."""
+def time_steps(case: dict, methods: dict, reps: int, warmup: int, ref_every: int,
+               calls: int = CALLS_PER_STEP) -> dict[str, float]:
+    """Median seconds per call of each method, ``calls`` calls (one step: every layer) per
+    method per round, rounds interleaved; ``reference`` runs every ``ref_every``-th round, and
+    only ``REF_CALLS`` calls."""
     k, v, qs, idx, spec, L = (case[n] for n in ("k", "v", "qs", "idx", "spec", "L"))
     copy_src = torch.empty(case["kv_bytes"] // 4).normal_()
     copy_dst = torch.empty_like(copy_src)
 
-    def step(fn):
+    def step(fn, n):
         plan_cache.clear()  # every step builds its plan at its first layer, as in serving
         t0 = time.perf_counter()
-        for layer in range(CALLS_PER_STEP):
+        for layer in range(n):
             fn(qs[layer % L], k[layer % L], v[layer % L], *idx, spec)
-        return (time.perf_counter() - t0) / CALLS_PER_STEP
+        return (time.perf_counter() - t0) / n
 
     def copy():
         t0 = time.perf_counter()
@@ -144,7 +174,7 @@ def time_steps(case: dict, methods: dict, reps: int, warmup: int, ref_every: int
         for name, fn in methods.items():
             if name == "reference" and rnd % ref_every and rnd != warmup:
                 continue
-            t = step(fn)
+            t = step(fn, min(calls, REF_CALLS) if name == "reference" else calls)
             if rnd >= warmup:
                 times[name].append(t)
         c = copy()
@@ -153,37 +183,55 @@ def time_steps(case: dict, methods: dict, reps: int, warmup: int, ref_every: int
     return {n: statistics.median(ts) for n, ts in times.items() if ts}
 
 
+def _cpu_rows(case: dict, t: dict, methods: dict, **key) -> list[dict]:
+    copy_bw = 2 * case["kv_bytes"] / t["copy"]
+    return [dict(**key, dtype=str(case["dtype"]).removeprefix("torch."), layers=case["L"],
+                 method=name, kv_mib=case["kv_bytes"] / 2**20, time_ms=t[name] * 1e3,
+                 gbps=case["kv_bytes"] / t[name] / 1e9, copy_gbps=copy_bw / 1e9,
+                 frac_copy=case["kv_bytes"] / t[name] / copy_bw,
+                 vs_batched=t["torch_batched"] / t[name], vs_torch_cpu=t["torch_cpu"] / t[name])
+            for name in methods]
+
+
 def run_cpu(steps: list, grid: list, warmup: int, reps: int, with_ref: bool,
-            threads: list[int]) -> list[dict]:
-    """Steps at every thread count in ``threads``, the grid at the first one."""
+            threads: list[int], grid_reps: int, budget: int = POOL_BUDGET) -> list[dict]:
+    """Steps (allocator layout, float32) at every thread count in ``threads``; the grid
+    (shuffled slabs) for float32 and bfloat16 at each of ``threads``; pools of ``budget``
+    bytes of K+V (see :func:`cpu_case`)."""
     methods = dict(CPU_METHODS) if with_ref else {n: f for n, f in CPU_METHODS.items()
                                                   if n != "reference"}
-    points = [("steps", r, lo, hi, "alloc", "decode") for r, lo, hi in steps]
-    if steps:
-        points += [("steps", 16, 16, 184, "alloc", "chunk"),
-                   ("steps", 16, 16, 160, "alloc", "prompts")]
-    points += [("grid", b, c, c, "perm", "decode") for b, c in grid]
+    grid_methods = {n: f for n, f in methods.items() if n != "reference"}
+    points = [("steps", r, lo, hi, "alloc", kind) for r, lo, hi, kind in steps]
     rows, default_threads = [], torch.get_num_threads()
     for i, (table, R, lo, hi, layout, kind) in enumerate(points):
         ctx = np.random.default_rng(100 + i).integers(lo, hi + 1, R)
-        case = cpu_case(ctx, layout, kind, seed=i)
+        case = cpu_case(ctx, layout, kind, seed=i, budget=budget)
         label = f"{lo}..{hi}" if lo != hi else str(lo)
-        for nt in threads if table == "steps" else threads[:1]:
+        for nt in threads:
             torch.set_num_threads(nt)
             t = time_steps(case, methods, reps, warmup, ref_every=3)
-            copy_bw = 2 * case["kv_bytes"] / t["copy"]
-            for name in methods:
-                rows.append(dict(table=table, threads=nt, batch=R, ctx=label,
-                                 mean_ctx=float(ctx.mean()), kind=kind, layers=case["L"],
-                                 method=name, kv_mib=case["kv_bytes"] / 2**20,
-                                 time_ms=t[name] * 1e3, gbps=case["kv_bytes"] / t[name] / 1e9,
-                                 copy_gbps=copy_bw / 1e9,
-                                 frac_copy=case["kv_bytes"] / t[name] / copy_bw,
-                                 vs_batched=t["torch_batched"] / t[name]))
+            rows += _cpu_rows(case, t, methods, table=table, threads=nt, batch=R, ctx=label,
+                              mean_ctx=float(ctx.mean()), kind=kind)
             print(f"{table} threads={nt} R={R} ctx={label} {kind}: "
                   + ", ".join(f"{n} {t[n] * 1e3:.3f} ms" for n in methods), flush=True)
         torch.set_num_threads(default_threads)
         del case
+    for dtype in GRID_DTYPES:
+        for j, (R, c) in enumerate(grid):
+            case = cpu_case(np.full(R, c), "slabs", "decode", seed=1000 + j, dtype=dtype,
+                            budget=budget)
+            for nt in threads:
+                torch.set_num_threads(nt)
+                t = time_steps(case, grid_methods, grid_reps, warmup, ref_every=1,
+                               calls=max(2, case["L"]))
+                rows += _cpu_rows(case, t, grid_methods, table="grid", threads=nt, batch=R,
+                                  ctx=str(c), mean_ctx=float(c), kind="decode")
+                cpp = rows[-len(grid_methods)]
+                print(f"grid {cpp['dtype']} threads={nt} R={R} ctx={c}: cpp "
+                      f"{cpp['gbps']:.1f} GB/s = {100 * cpp['frac_copy']:.0f}% of copy, "
+                      f"{cpp['vs_torch_cpu']:.2f}x torch_cpu", flush=True)
+            torch.set_num_threads(default_threads)
+            del case
     return rows
 
 
@@ -249,32 +297,46 @@ def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Paged decode attention ({meta['device_name']})", "",
-             f"shape: {meta['shape']}, dtype {meta['dtype']}, torch {meta['torch']}, "
-             f"threads {meta['threads']} (steps: per row); median of {meta['reps']} interleaved "
-             f"rounds after {meta['warmup']} warmup (reference: every 3rd round). Times are per "
-             "call (one layer); ratios (`batched / cpu`, `x batched`: torch_batched time over "
-             "this method's) come from the same rounds. See the docstring of bench/kernels.py."]
+             f"shape: {meta['shape']}, torch {meta['torch']}; median of interleaved rounds "
+             f"({meta['reps']} for steps, {meta.get('grid_reps', meta['reps'])} for the grid) "
+             f"after {meta['warmup']} warmup (reference: every 3rd round, {REF_CALLS} calls). "
+             "Times are per call "
+             "(one layer); every ratio compares methods timed in the same rounds. See the "
+             "docstring of bench/kernels.py."]
     steps = [r for r in rows if r["table"] == "steps"]
     if steps:
-        lines += ["", "## Decode steps (allocator slot layout, plan built at each step's "
-                  "first layer)", "",
-                  "| threads | requests | ctx | step | pool layers | torch_batched ms | "
-                  "torch_cpu ms | reference ms | batched / cpu | reference / cpu |",
-                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+        names = [m for m in CPU_METHODS if any(r["method"] == m for r in steps)]
+        lines += ["", "## Decode steps (float32, allocator slot layout, the torch path's plan "
+                  "built at each step's first layer)", "",
+                  "| threads | requests | ctx | step | " + " | ".join(f"{m} ms" for m in names)
+                  + " | torch_cpu / cpp | batched / cpp |",
+                  "|---:|---:|---:|---|" + "---:|" * (len(names) + 2)]
         order = {"decode": 0, "chunk": 1, "prompts": 2}
         keys = sorted({(r["threads"], r["batch"], r["ctx"], r["kind"]) for r in steps},
                       key=lambda k: (-k[0], order[k[3]], k[1], int(k[2].split("..")[0])))
         for key in keys:
             by = {r["method"]: r for r in steps
                   if (r["threads"], r["batch"], r["ctx"], r["kind"]) == key}
-            ms = {m: by[m]["time_ms"] if m in by else float("nan") for m in CPU_METHODS}
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
-                         f"{by['torch_cpu']['layers']} | "
-                         f"{ms['torch_batched']:.3f} | {ms['torch_cpu']:.3f} | "
-                         f"{ms['reference']:.3f} | {ms['torch_batched'] / ms['torch_cpu']:.2f}x | "
-                         f"{ms['reference'] / ms['torch_cpu']:.2f}x |")
+                         + " | ".join(f"{by[m]['time_ms']:.3f}" for m in names)
+                         + f" | {by['cpp']['vs_torch_cpu']:.2f}x | {by['cpp']['vs_batched']:.2f}x |")
     grid = [r for r in rows if r["table"] == "grid"]
-    if grid:
+    if grid and meta["device"] == "cpu":
+        lines += ["", "## Uniform contexts, shuffled 16-token slabs: KV bytes/s vs copy bandwidth",
+                  "", "| dtype | threads | batch | ctx | KV MiB | copy GB/s | cpp GB/s | "
+                  "cpp % of copy | torch_cpu % of copy | batched % of copy | cpp / torch_cpu | "
+                  "cpp / batched |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        keys = list(dict.fromkeys((r["dtype"], r["threads"], r["batch"], r["ctx"]) for r in grid))
+        for key in keys:
+            by = {r["method"]: r for r in grid
+                  if (r["dtype"], r["threads"], r["batch"], r["ctx"]) == key}
+            c = by["cpp"]
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {c['kv_mib']:.1f} | "
+                         f"{c['copy_gbps']:.1f} | {c['gbps']:.1f} | {100 * c['frac_copy']:.0f}% | "
+                         f"{100 * by['torch_cpu']['frac_copy']:.0f}% | "
+                         f"{100 * by['torch_batched']['frac_copy']:.0f}% | "
+                         f"{c['vs_torch_cpu']:.2f}x | {c['vs_batched']:.2f}x |")
+    elif grid:
         lines += ["", "## Uniform contexts, random slot permutation", "",
                   "| batch | ctx | KV MiB | method | ms | GB/s | copy GB/s | % of copy | "
                   "x batched |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
@@ -288,21 +350,27 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--quick", action="store_true", help="small grid (smoke run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one step, one grid point, fewer rounds, smaller pools (under a minute)")
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow) reference on CPU")
     ap.add_argument("--threads", type=int, nargs="+", default=None,
                     help="CPU thread counts for the decode steps (default: torch's, then 1)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=None, help="rounds per step (10; --quick 5)")
+    ap.add_argument("--grid-reps", type=int, default=None,
+                    help="rounds per grid point (5; --quick 3)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = ap.parse_args(argv)
+    a.reps = a.reps or (5 if a.quick else 10)
+    a.grid_reps = a.grid_reps or (3 if a.quick else 5)
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     heads, kv_heads, head_dim, dtype = SHAPES[device]
     name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or "cpu")
     meta = dict(device=device, device_name=name, torch=torch.__version__,
                 shape=f"{heads} q heads / {kv_heads} kv heads / head_dim {head_dim}",
                 dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
-                warmup=a.warmup, reps=a.reps, grid="quick" if a.quick else "full")
+                warmup=a.warmup, reps=a.reps, grid_reps=a.grid_reps,
+                grid="quick" if a.quick else "full")
     if device == "cuda":
         import triton
         meta["triton"] = triton.__version__
@@ -310,8 +378,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         threads = a.threads or list(dict.fromkeys([torch.get_num_threads(), 1]))
         meta["step_threads"] = threads
+        if cpp_ext.load() is None:
+            raise SystemExit(f"the C++ kernel did not build: {cpp_ext.build_error()}")
         rows = run_cpu(QUICK_STEPS if a.quick else STEPS, QUICK_GRID if a.quick else FULL_GRID,
-                       a.warmup, a.reps, not a.no_ref, threads)
+                       a.warmup, a.reps, not a.no_ref, threads, a.grid_reps,
+                       QUICK_POOL_BUDGET if a.quick else POOL_BUDGET)
     md = markdown(rows, meta)
     print(md)
     a.out.mkdir(parents=True, exist_ok=True)

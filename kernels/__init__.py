@@ -2,8 +2,10 @@
 
 ``paged_attention`` and ``merge_states`` pick their implementation by device: the Triton
 kernels on CUDA (or anywhere with ``LAMINA_KERNELS=triton``, e.g. under ``TRITON_INTERPRET=1``),
-the torch path otherwise (:mod:`lamina.kernels.torch_sparse` for decode on CPU, falling back to
-the padded-``bmm`` :mod:`lamina.kernels.torch_batched`); see :mod:`lamina.kernels.dispatch`.
+the C++ kernel on CPU (:mod:`lamina.kernels.cpp_ext`, built on first use and cached), and the
+torch path where that cannot be built or is asked for (:mod:`lamina.kernels.torch_sparse` for
+decode, falling back to the padded-``bmm`` :mod:`lamina.kernels.torch_batched`); see
+:mod:`lamina.kernels.dispatch`.
 Contracts are in :mod:`lamina.kernels.reference`, whose per-request functions are the test
 oracle. Triton is imported only when a Triton path runs
 (``lamina.kernels.triton_attention`` / ``lamina.kernels.triton_merge``).

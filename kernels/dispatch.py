@@ -2,7 +2,10 @@
 
 ``LAMINA_KERNELS`` (read at every call) selects the implementation:
 
-* unset / ``auto``: Triton for CUDA tensors, the torch path otherwise;
+* unset / ``auto``: Triton for CUDA tensors, the C++ kernel (:mod:`lamina.kernels.cpp_ext`)
+  for CPU tensors when it builds, the torch path otherwise (after one ``RuntimeWarning`` that
+  names why the build failed);
+* ``cpp``: the C++ kernel on CPU tensors (an error if it cannot be built);
 * ``triton``: Triton on any device (CPU tensors need ``TRITON_INTERPRET=1``, set before triton is
   first imported — this module imports triton lazily, at the first Triton call);
 * ``torch``: the torch path on any device: :func:`lamina.kernels.torch_sparse.paged_attention_cpu`
@@ -22,12 +25,13 @@ import os
 
 import torch
 
+from lamina.kernels import cpp_ext
 from lamina.kernels.reference import merge_states_ref, paged_attention_ref
 from lamina.kernels.torch_batched import paged_attention_batched
 from lamina.kernels.torch_sparse import paged_attention_cpu
 from lamina.types import AttentionSpec
 
-_CHOICES = ("auto", "triton", "torch", "batched", "ref")
+_CHOICES = ("auto", "cpp", "triton", "torch", "batched", "ref")
 
 
 def triton_available() -> bool:
@@ -35,13 +39,23 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def backend_for(device: torch.device) -> str:
-    """The implementation (``triton``, ``torch``, ``batched`` or ``ref``) for ``device``."""
+def requested() -> str:
+    """``LAMINA_KERNELS`` as given (``auto`` when unset); ``ValueError`` for an unknown one."""
     choice = os.environ.get("LAMINA_KERNELS", "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"LAMINA_KERNELS={choice!r}: expected one of {', '.join(_CHOICES)}")
+    return choice
+
+
+def backend_for(device: torch.device) -> str:
+    """The implementation (``cpp``, ``triton``, ``torch``, ``batched`` or ``ref``) for
+    ``device``; ``auto`` on CPU builds (or loads the cached) C++ kernel at the first call."""
+    choice = requested()
     if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            choice = "triton"
+        else:
+            choice = "cpp" if cpp_ext.load() is not None else "torch"
     if choice == "triton":
         if not triton_available():
             raise RuntimeError(f"attention on {device.type} needs the Triton kernels but triton is "
@@ -61,6 +75,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if backend == "triton":
         from lamina.kernels.triton_attention import paged_attention_triton
         fn = paged_attention_triton
+    elif backend == "cpp":
+        fn = cpp_ext.paged_attention_cpp
     elif backend == "torch":
         fn = paged_attention_cpu
     elif backend == "batched":
@@ -72,9 +88,13 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 def merge_states(os: torch.Tensor | list[torch.Tensor],
                  lses: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact log-sum-exp merge; see :func:`lamina.kernels.reference.merge_states_ref`."""
+    """Exact log-sum-exp merge; see :func:`lamina.kernels.reference.merge_states_ref`. Triton
+    where :func:`backend_for` would pick it, the torch reference otherwise (also under ``cpp``:
+    the merge is a few element-wise ops, not worth a kernel)."""
     first = os[0] if isinstance(os, (list, tuple)) else os
-    if backend_for(first.device) == "triton":
+    choice = requested()  # not backend_for: a merge on CPU must not build the C++ kernel
+    if choice == "triton" or (choice == "auto" and first.device.type == "cuda"):
+        backend_for(first.device)  # raises, naming the fix, where Triton cannot run
         from lamina.kernels.triton_merge import merge_states_triton
         return merge_states_triton(os, lses)
     return merge_states_ref(os, lses)

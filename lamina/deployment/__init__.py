@@ -41,7 +41,8 @@ def start_deployment(config: DeploymentConfig, info: ModelInfo | None = None, *,
         return Deployment(instances, slab_size=config.cache.slab_size, borrowing=config.lends,
                           gmanager="ray" if ray else "local", beta_thres=config.beta_thres,
                           util_thres=config.util_thres, perf=perf,
-                          plan_every=config.plan_every, launcher=launcher)
+                          plan_every=config.plan_every, launcher=launcher,
+                          restart=lambda i: start_instance(config, i, info, launcher, timeline))
     except BaseException:
         for inst in reversed(instances):
             inst.close()

@@ -19,6 +19,15 @@ space flows between pools in two ways:
   ``try_move_kvcache``, EXPORT from the source node, IMPORT on the creditor's node while the
   instances decode, and only after the round switch the placement and free the source range.
 
+Recovery: when a role of an instance dies (a memory node or compute replica process killed,
+a Ray actor lost), the step that noticed it raises :class:`~lamina.errors.NodeFailure`; the
+deployment stops what is left of that instance, starts a fresh one in its place (``restart``,
+given by :func:`~lamina.deployment.start_deployment`) and hands it the unfinished requests,
+which recompute their KV from prompt + tokens generated so far: no request is lost and greedy
+output is the same as without the fault. Only when the restart itself fails does the instance
+leave the router, ending its requests with the error (and if it was the last, the error
+propagates).
+
 Loans whose space the debtor no longer uses go back to the creditor after every round. A
 memory node serves its own replicas, every debtor replica that borrowed from it, and the
 engine-side client (moves, stats); request and step ids are kept disjoint per instance
@@ -27,7 +36,9 @@ engine-side client (moves, stats); request and step ids are kept disjoint per in
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from lamina.deployment.borrowing import (GManager, GManagerClient, InstanceLoad, MoveCommand,
                                         RManager, RequestPlacementEntry, start_gmanager)
@@ -36,6 +47,8 @@ from lamina.engine.request import Request
 from lamina.errors import NodeFailure
 from lamina.instance import ID_STRIDE, Instance
 from lamina.types import SamplingParams
+
+log = logging.getLogger("lamina.deployment")
 
 
 @dataclass
@@ -75,13 +88,16 @@ class Deployment:
 
     def __init__(self, instances: list[Instance], *, slab_size: int, borrowing: bool = True,
                  gmanager: str = "local", beta_thres: int = 8, util_thres: float = 0.5,
-                 perf=None, plan_every: int = 0, launcher=None):
+                 perf=None, plan_every: int = 0, launcher=None,
+                 restart: Callable[[int], Instance] | None = None):
         if not instances:
             raise ValueError("a deployment needs at least one instance")
         if gmanager not in ("local", "ray"):
             raise ValueError(f"gmanager must be 'local' or 'ray', got {gmanager!r}")
         self.instances = instances
         self.launcher = launcher  # closed last (a Ray launcher may own Ray)
+        self.restart = restart  # inst_id -> a fresh instance (None: failures are final)
+        self.recoveries = 0
         self.slab = slab_size
         self.borrowing = borrowing
         self.plan_every = plan_every
@@ -94,10 +110,13 @@ class Deployment:
             target = start_gmanager(slab_size, **kw) if gmanager == "ray" else GManager(slab_size, **kw)
             self.gmanager = GManagerClient(target)
             for inst in instances:
-                inst.scheduler.lender = _Lender(self, inst.inst_id)
-                inst.rmanager = RManager(inst.inst_id, self.gmanager,
-                                         lambda i=inst.inst_id: self._state(i))
+                self._lend(inst)
         self.heartbeat()
+
+    def _lend(self, inst: Instance) -> None:
+        inst.scheduler.lender = _Lender(self, inst.inst_id)
+        inst.rmanager = RManager(inst.inst_id, self.gmanager,
+                                 lambda i=inst.inst_id: self._state(i))
 
     # -- requests (the calls AsyncEngine makes of an engine) -------------------------------------
     def _of(self, req_id: int) -> Instance:
@@ -162,9 +181,42 @@ class Deployment:
         try:
             fn(out)
         except NodeFailure as e:
+            if self._recover(inst, e, out):
+                return
             if all(x.failed is not None for x in self.instances if x is not inst):
                 raise  # nothing left to serve: the caller fails as a single engine would
             self._fail(inst, e, out)
+
+    def _recover(self, inst: Instance, error: NodeFailure, out: StepOutput) -> bool:
+        """Replace broken instance ``inst`` by a fresh one that adopts its unfinished requests;
+        False (nothing changed but ``inst`` stopped) when there is no ``restart`` or it fails."""
+        if self.restart is None:
+            return False
+        old = inst.engine
+        log.warning("instance %d failed (%s); restarting it and recomputing its %d requests",
+                    inst.inst_id, error, len(old.scheduler.running) + len(old.scheduler.waiting))
+        for key in [k for k, ln in self.loans.items() if inst.inst_id in (ln.debtor, ln.creditor)]:
+            del self.loans[key]
+        inst.close()
+        try:
+            new = self.restart(inst.inst_id)
+        except Exception as e:  # noqa: BLE001 - capacity really is gone: fail its requests
+            log.error("instance %d could not be restarted: %s", inst.inst_id, e)
+            return False
+        for req_id, err in old._aborted.items():  # aborted while in flight: end them now
+            req = old.requests.get(req_id)
+            if req is not None and not req.finished:
+                old.scheduler.finish(req, "error")
+                req.error = err
+                out.finished.append(req)
+        pending = [r for r in list(old.scheduler.running) + list(old.scheduler.waiting)
+                   if not r.finished]
+        new.engine.adopt(pending, after=old)
+        if self.gmanager is not None:
+            self._lend(new)
+        self.instances[self.instances.index(inst)] = new
+        self.recoveries += 1
+        return True
 
     def _fail(self, inst: Instance, error: BaseException, out: StepOutput) -> None:
         """Instance ``inst`` is broken: its requests end with ``error``, its loans are void."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lamina.engine.request import Request
+from lamina.engine.request import Request, Status
 from lamina.transport.node_client import NodeClient
 from lamina.computenode.attend import NodeRoute
 from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler, SchedulerConfig
@@ -112,6 +112,19 @@ class Engine:
             raise
         for slot, tokens in done:
             self._complete(self._in_flight.pop(slot), tokens, out)
+
+    def adopt(self, requests: list[Request], after: "Engine") -> None:
+        """Take over the unfinished ``requests`` of engine ``after`` (whose replicas or nodes
+        died): each goes back to WAITING with no KV and recomputes prompt + outputs so far
+        (recompute preemption), in the given order; ids continue past ``after``'s."""
+        self._ids = itertools.count(max([next(after._ids)] + [r.req_id + 1 for r in requests]))
+        self._steps = itertools.count(next(after._steps))
+        for req in requests:
+            req.shards, req.num_computed = [], 0
+            req.status = Status.WAITING
+            req.num_preemptions += 1
+            self.requests[req.req_id] = req
+            self.scheduler.waiting.append(req)
 
     def forget(self, req_id: int) -> None:
         """Drop a finished request from ``requests`` (its caller has read it)."""

@@ -6,7 +6,6 @@ import psutil
 import pytest
 
 from lamina import LLM, SamplingParams
-from lamina.errors import NodeFailure
 
 from tiny_models import tiny_folder
 
@@ -88,22 +87,39 @@ def _children() -> set[int]:
             if "resource_tracker" not in " ".join(p.cmdline())}
 
 
-@pytest.mark.slow  # starts a replica process and two memory-node processes
-def test_killed_memory_node_gives_a_clear_error_and_leaves_no_orphans(folder):
+def _kill_mid_stream(llm, prompts, params, victim) -> list[list[int]]:
+    """Stream ``prompts``; after the first tokens, SIGKILL the pid ``victim(llm)`` returns."""
+    got: list[list[int]] = [[] for _ in prompts]
+    stream = llm.generate_stream(prompts, params)
+    first = next(stream)
+    got[first.index] += first.token_ids
+    os.kill(victim(llm), signal.SIGKILL)
+    for d in stream:
+        assert d.finish_reason != "error", d
+        got[d.index] += d.token_ids
+    return got
+
+
+@pytest.mark.slow  # starts replica and memory-node processes, twice
+@pytest.mark.parametrize("role", ["memory node", "replica"])
+def test_a_killed_role_is_replaced_and_no_request_is_lost(folder, role):
+    """kill -9 of a memory node or the compute replica mid-generation: the instance is
+    restarted, its requests recompute their KV, and every output equals the unfaulted one."""
     before = _children()
-    llm = LLM(str(folder), memory=2, placement="procs", transport="shm")
-    pids = [c.process.pid for c in llm.deployment.instances[0].nodes]
-    assert set(pids) <= _children() - before
-    stream = llm.generate_stream([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=50,
-                                                                 ignore_eos=True))
-    next(stream)
-    os.kill(pids[1], signal.SIGKILL)
-    # seen first by the engine (which knows its pid) or by the replica attending over it
-    with pytest.raises(NodeFailure, match=rf"memory node 1 (\(pid {pids[1]}\) died|is gone)"):
-        for _ in stream:
-            pass
-    with pytest.raises(RuntimeError, match="this LLM is closed"):
-        llm.generate([[1, 2]], GREEDY, use_tqdm=False)
-    llm.close()
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(str(folder), memory=2, placement="procs", transport="shm") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        inst = llm.deployment.instances[0]
+        pids = {"memory node": inst.nodes[1].process.pid,
+                "replica": inst.engine.worker.procs[0].pid}
+        assert set(pids.values()) <= _children() - before
+        got = _kill_mid_stream(llm, prompts, params, lambda _: pids[role])
+        assert got == want
+        assert llm.deployment.recoveries == 1
+        fresh = llm.deployment.instances[0]
+        assert fresh is not inst and fresh.nodes[1].process.pid != pids["memory node"]
+        again = llm.generate(prompts, params, use_tqdm=False)  # and it keeps serving
+        assert [o.outputs[0].token_ids for o in again] == want
     psutil.wait_procs([psutil.Process(p) for p in _children() - before], timeout=10)
     assert _children() - before == set()

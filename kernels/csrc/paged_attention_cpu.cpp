@@ -1,0 +1,795 @@
+// Paged attention on CPU (lamina issue 19): the C++ kernel behind lamina.kernels.cpp_ext.
+//
+// Contract: lamina/kernels/reference.py (paged_attention_ref). q[T,H,D] (float32, bfloat16 or
+// float16), k_pool/v_pool[S,Hkv,D] (float32 or bfloat16, last dim contiguous), CSR
+// qo_indptr[R+1] / kv_indptr[R+1] / kv_indices[N] (int32 or int64), q_positions[T],
+// kv_start_pos[R]. Returns o[T,H,D] in q's dtype and lse[T,H] float32 (natural log); a query
+// that sees no key gets o = 0 and lse = -inf. A query at position p sees the request's keys at
+// positions kv_start_pos[r] + j <= p and, with a window w, p - (kv_start_pos[r] + j) < w.
+//
+// Work items are (request, KV head, query tile[, KV split]). An item holds every query vector
+// of its tile that shares its KV head (the GQA group of each of up to kMaxTile / G query rows),
+// so each K/V row is read from memory once per tile, and walks the visible keys in blocks of
+// kBlock with an online softmax (running max and sum, float32 accumulation). Items are handed
+// out dynamically (an atomic counter, largest first) inside one at::parallel_for, so
+// torch.set_num_threads governs the thread count. When there are fewer items than threads can
+// share well, long items are split along the keys and merged by log-sum-exp afterwards.
+//
+// SIMD: AVX-512 intrinsics when the compiler targets them (-march=native on an AVX-512 CPU:
+// __AVX512F__, plus __AVX512BW__ for the bfloat16 widening), for head_dim a multiple of 16;
+// otherwise plain loops that the compiler vectorises for whatever -march allows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LAMINA_AVX512 1
+#include <immintrin.h>
+#else
+#define LAMINA_AVX512 0
+#endif
+
+namespace {
+
+constexpr int kBlock = 32;         // keys per online-softmax block
+constexpr int kMaxTile = 32;     // query vectors per tile (a tile holds at least one GQA group)
+constexpr int kScoreKeys = 4;        // keys per step of the scores loop (all heads)
+constexpr int kAccumulateKeys = 8;   // keys per step of the p @ V loop (all heads)
+constexpr int kGroup = 4;        // query vectors per register group in the inner kernels
+constexpr int64_t kSplitMin = 256;  // fewest keys in one KV split
+constexpr int64_t kRowBytes = 2048;  // most bytes of a token row (per pool) one item reads
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ------------------------------------------------------------------------------------------
+// Element loads (pool dtype -> float32)
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+#if LAMINA_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // exact: bfloat16 is the top half of float32
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One vector whose lane i is the sum of the lanes of a[i] (a 16x16 transpose-and-add).
+inline __m512 reduce16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] of a[2i], a[2i+1]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit chunk: partial sums of a[4i .. 4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m128 extract4(__m512 v, int i) {  // 128-bit chunk i (i < 4)
+  switch (i) {
+    case 0: return _mm512_extractf32x4_ps(v, 0);
+    case 1: return _mm512_extractf32x4_ps(v, 1);
+    case 2: return _mm512_extractf32x4_ps(v, 2);
+    default: return _mm512_extractf32x4_ps(v, 3);
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial, ~1 ulp.
+// Inputs below -87.3 (including -inf, the masked scores) give exactly 0.
+inline __m512 exp512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+}
+#endif
+
+inline float block_max(const float* s, int n) {
+#if LAMINA_AVX512
+  __m512 mx = _mm512_set1_ps(kNegInf);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), k, s + i));
+  }
+  return _mm512_reduce_max_ps(mx);
+#else
+  float mx = kNegInf;
+  for (int i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  return mx;
+#endif
+}
+
+// p[i] = exp(s[i] - mx) for i < n; returns sum(p). s entries may be -inf (p = 0).
+inline float exp_sum(const float* s, float mx, float* p, int n) {
+#if LAMINA_AVX512
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), k, s + i), m));
+    _mm512_mask_storeu_ps(p + i, k, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) {
+    p[i] = s[i] == kNegInf ? 0.f : std::exp(s[i] - mx);
+    sum += p[i];
+  }
+  return sum;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// Prefetch of the next block's K and V rows into L2, paced over this block's work.
+//
+// Measured on Zen 4, one thread, 16-token slabs in random order: rows fetched whole (all KV
+// heads of a token: contiguous bytes) with prefetcht1 stream at ~22 GB/s against ~15 GB/s
+// without software prefetch, ~10-12 GB/s reading one head's part of each row. Issuing a whole
+// block's prefetches at once stalls on the miss queue and leaves memory idle during the
+// arithmetic, so the next block's cache lines are spread evenly over the inner-loop
+// iterations ("ticks") of this block.
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// asm volatile: GCC drops __builtin_prefetch calls from inlined helpers it deems pure.
+inline void prefetch_line(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+#else
+inline void prefetch_line(const char* p) { __builtin_prefetch(p, 0, 2); }
+#endif
+
+// Byte offsets (from a token's base pointer) of the cache lines an item reads from one pool.
+inline std::vector<int64_t> row_lines(int64_t h0, int64_t nh, int64_t stride, int64_t D,
+                                      int64_t elt) {
+  std::vector<int64_t> lines;
+  for (int64_t h = h0; h < h0 + nh; ++h) {
+    const int64_t lo = h * stride * elt, hi = lo + D * elt;  // [lo, hi) bytes of head h
+    for (int64_t b = lo & ~int64_t(63); b < hi; b += 64)
+      if (lines.empty() || lines.back() != b) lines.push_back(b);
+  }
+  return lines;
+}
+
+class Prefetcher {
+ public:
+  Prefetcher(const int64_t* klines, int nk, const int64_t* vlines, int nv)
+      : kl_(klines), vl_(vlines), nk_(nk), nv_(nv) {}
+  // Starts on the next block (token bases k[0:n], v[0:n]), paced over `ticks` ticks; the unit
+  // of work is one token's K row or V row.
+  void start(const void* const* k, const void* const* v, int n, int64_t ticks) {
+    flush();
+    k_ = k, v_ = v, units_ = 2 * n, next_ = 0;
+    burst_ = ticks > 0 ? static_cast<int>((units_ + ticks - 1) / ticks) : units_;
+    period_ = units_ > 0 ? std::max<int64_t>(1, ticks * burst_ / units_) : 1;
+    count_ = period_;
+  }
+  __attribute__((always_inline)) inline void tick() {
+    if (--count_ == 0) {
+      count_ = period_;
+      issue(burst_);
+    }
+  }
+  void flush() { issue(units_); }
+
+ private:
+  inline void issue(int units) {
+    for (const int end = std::min(units_, next_ + units); next_ < end; ++next_) {
+      const bool v = next_ & 1;
+      const char* base = static_cast<const char*>(v ? v_[next_ >> 1] : k_[next_ >> 1]);
+      const int64_t* lines = v ? vl_ : kl_;
+      for (int i = 0, n = v ? nv_ : nk_; i < n; ++i) prefetch_line(base + lines[i]);
+    }
+  }
+  const int64_t* kl_;
+  const int64_t* vl_;
+  int nk_, nv_;
+  const void* const* k_ = nullptr;
+  const void* const* v_ = nullptr;
+  int units_ = 0, next_ = 0, burst_ = 1;
+  int64_t period_ = 1, count_ = 1;
+};
+
+// ------------------------------------------------------------------------------------------
+// Inner kernels over a block of nb keys for a register group of MG query vectors.
+// q: [MG][D] float32 (pre-scaled), row stride D. s/p: [MG][kBlock]. o: [MG][D] float32.
+// Key j's row is rows[j] + off. pf.tick() runs once per key in scores and once per (key,
+// 16-wide chunk) in accumulate: (1 + D/16) * nb ticks per call.
+
+// Plain loops: any D, any -march.
+struct Generic {
+  template <int MG, typename KT>
+  static void scores(const float* q, int64_t D, const KT* const* rows, int64_t off, int nb,
+                     float* s, Prefetcher& pf) {
+    for (int j = 0; j < nb; ++j) {
+      pf.tick();
+      const KT* k = rows[j] + off;
+      for (int m = 0; m < MG; ++m) {
+        const float* qm = q + m * D;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < D; ++d) acc += qm[d] * to_float(k[d]);
+        s[m * kBlock + j] = acc;
+      }
+    }
+  }
+  template <int MG, typename KT>
+  static void accumulate(float* o, int64_t D, const KT* const* rows, int64_t off, int nb,
+                         const float* p, Prefetcher& pf) {
+    for (int j = 0; j < nb; ++j) {
+      for (int64_t c = 0; c < (D + 15) / 16; ++c) pf.tick();
+      const KT* v = rows[j] + off;
+      for (int m = 0; m < MG; ++m) {
+        const float pm = p[m * kBlock + j];
+        float* om = o + m * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) om[d] += pm * to_float(v[d]);
+      }
+    }
+  }
+};
+
+#if LAMINA_AVX512
+// AVX-512, D = 16 * NC (NC = 0: taken from D at run time).
+template <int NC>
+struct Avx512 {
+  // Scores of MG queries against 4 keys at a time: MG * 4 accumulators, summed across lanes
+  // by one transposing reduction (45 shuffle/add ops per 16 dot products instead of ~8 each).
+  template <int MG, typename KT>
+  static void scores(const float* q, int64_t D, const KT* const* rows, int64_t off, int nb,
+                     float* s, Prefetcher& pf) {
+    static_assert(MG <= 4, "MG * 4 accumulators must fit in 16");
+    const int nc = NC > 0 ? NC : static_cast<int>(D / 16);
+    int j = 0;
+    for (; j + 4 <= nb; j += 4) {
+      pf.tick();
+      pf.tick();
+      pf.tick();
+      pf.tick();
+      const KT* k[4] = {rows[j] + off, rows[j + 1] + off, rows[j + 2] + off, rows[j + 3] + off};
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int c = 0; c < nc; ++c) {
+        __m512 kc[4];
+        for (int t = 0; t < 4; ++t) kc[t] = load16(k[t] + 16 * c);
+        for (int m = 0; m < MG; ++m) {
+          const __m512 qc = _mm512_loadu_ps(q + m * D + 16 * c);
+          for (int t = 0; t < 4; ++t) acc[m * 4 + t] = _mm512_fmadd_ps(qc, kc[t], acc[m * 4 + t]);
+        }
+      }
+      const __m512 sums = reduce16(acc);  // lane m * 4 + t: query m . key j + t
+      for (int m = 0; m < MG; ++m) _mm_storeu_ps(s + m * kBlock + j, extract4(sums, m));
+    }
+    for (; j < nb; ++j) {
+      pf.tick();
+      const KT* k = rows[j] + off;
+      __m512 acc[MG];
+      for (int m = 0; m < MG; ++m) acc[m] = _mm512_setzero_ps();
+      for (int c = 0; c < nc; ++c) {
+        const __m512 kc = load16(k + 16 * c);
+        for (int m = 0; m < MG; ++m)
+          acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(q + m * D + 16 * c), kc, acc[m]);
+      }
+      for (int m = 0; m < MG; ++m) s[m * kBlock + j] = _mm512_reduce_add_ps(acc[m]);
+    }
+  }
+  // o[m] += sum_j p[m][j] * v_j, CB 16-wide chunks of every query at a time (key-major inside
+  // a pass: MG * CB independent accumulators in registers, each V row read once per pass).
+  static constexpr int chunks_per_pass(int mg) {
+    int cb = NC > 0 ? NC : 1;
+    while (cb > 1 && (mg * cb > 16 || NC % cb)) --cb;
+    return cb;
+  }
+  template <int MG, typename KT>
+  static void accumulate(float* o, int64_t D, const KT* const* rows, int64_t off, int nb,
+                         const float* p, Prefetcher& pf) {
+    constexpr int CB = chunks_per_pass(MG);
+    const int nc = NC > 0 ? NC : static_cast<int>(D / 16);
+    for (int c0 = 0; c0 < nc; c0 += CB) {
+      __m512 acc[MG][CB];
+      for (int m = 0; m < MG; ++m)
+        for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_loadu_ps(o + m * D + 16 * (c0 + c));
+      for (int j = 0; j < nb; ++j) {
+        for (int c = 0; c < CB; ++c) pf.tick();
+        const KT* v = rows[j] + off + 16 * c0;
+        __m512 pj[MG];
+        for (int m = 0; m < MG; ++m) pj[m] = _mm512_set1_ps(p[m * kBlock + j]);
+        for (int c = 0; c < CB; ++c) {
+          const __m512 vc = load16(v + 16 * c);
+          for (int m = 0; m < MG; ++m) acc[m][c] = _mm512_fmadd_ps(pj[m], vc, acc[m][c]);
+        }
+      }
+      for (int m = 0; m < MG; ++m)
+        for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o + m * D + 16 * (c0 + c), acc[m][c]);
+    }
+  }
+};
+#endif
+
+// Kernel::scores / accumulate over M query vectors in register groups of up to kGroup.
+template <class Kernel, typename KT>
+void scores_all(const float* q, int M, int64_t D, const KT* const* rows, int64_t off, int nb,
+                float* s, Prefetcher& pf) {
+  for (int m = 0; m < M; m += kGroup) {
+    const float* qm = q + m * D;
+    float* sm = s + m * kBlock;
+    switch (std::min(kGroup, M - m)) {
+      case 4: Kernel::template scores<4>(qm, D, rows, off, nb, sm, pf); break;
+      case 3: Kernel::template scores<3>(qm, D, rows, off, nb, sm, pf); break;
+      case 2: Kernel::template scores<2>(qm, D, rows, off, nb, sm, pf); break;
+      default: Kernel::template scores<1>(qm, D, rows, off, nb, sm, pf);
+    }
+  }
+}
+
+template <class Kernel, typename KT>
+void accumulate_all(float* o, int M, int64_t D, const KT* const* rows, int64_t off, int nb,
+                    const float* p, Prefetcher& pf) {
+  for (int m = 0; m < M; m += kGroup) {
+    float* om = o + m * D;
+    const float* pm = p + m * kBlock;
+    switch (std::min(kGroup, M - m)) {
+      case 4: Kernel::template accumulate<4>(om, D, rows, off, nb, pm, pf); break;
+      case 3: Kernel::template accumulate<3>(om, D, rows, off, nb, pm, pf); break;
+      case 2: Kernel::template accumulate<2>(om, D, rows, off, nb, pm, pf); break;
+      default: Kernel::template accumulate<1>(om, D, rows, off, nb, pm, pf);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Work items and the per-item loop
+
+struct Item {
+  int64_t r;          // request
+  int64_t h0, nh;     // KV heads [h0, h0 + nh)
+  int64_t t0, t1;     // query rows [t0, t1) of the tile
+  int64_t j0, j1;     // key range [j0, j1) of the request's keys this item walks
+  int64_t part;       // -1: writes o/lse; else index of its partial state
+  int64_t cost;
+};
+
+struct Args {
+  const void* q;
+  int64_t T, H, Hkv, G, D;
+  const void* k;  // pool bases
+  const void* v;
+  int64_t ks0, ks1, vs0, vs1;  // strides in elements
+  int64_t S;
+  const int64_t* qo;
+  const int64_t* kvp;
+  const void* idx;
+  const int64_t* qpos;
+  const int64_t* kstart;
+  float qscale;   // scale (or scale / softcap)
+  float softcap;  // 0: none
+  int64_t window;  // 0: none
+  int64_t rows_per_tile, heads_per_item;
+};
+
+// Visible key range [lo, hi) (indices into the request's keys) of a query at position p.
+inline void visible_range(const Args& a, int64_t r, int64_t p, int64_t* lo, int64_t* hi) {
+  const int64_t start = a.kstart[r], n = a.kvp[r + 1] - a.kvp[r];
+  int64_t l = 0, h = std::min(n, p - start + 1);
+  if (a.window > 0) l = std::max<int64_t>(0, p - a.window + 1 - start);
+  *lo = l;
+  *hi = std::max(h, l);
+}
+
+// Query vectors of an item, in order (head, row, group member): m = ((h-h0)*rows + t-t0)*G + g.
+struct Scratch {
+  std::vector<float> q, o, s, p, m, l;
+  std::vector<int64_t> lo, hi;
+  explicit Scratch(int64_t M, int64_t D)
+      : q(M * D), o(M * D), s(M * kBlock), p(M * kBlock), m(M), l(M), lo(M), hi(M) {}
+};
+
+template <typename QT>
+inline void load_queries(const Args& a, const Item& it, Scratch& sc) {
+  const QT* q = static_cast<const QT*>(a.q);
+  int64_t m = 0;
+  for (int64_t h = it.h0; h < it.h0 + it.nh; ++h) {
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      int64_t lo, hi;
+      visible_range(a, it.r, a.qpos[t], &lo, &hi);
+      for (int64_t g = 0; g < a.G; ++g, ++m) {
+        const QT* src = q + (t * a.H + h * a.G + g) * a.D;
+        float* dst = sc.q.data() + m * a.D;
+        for (int64_t d = 0; d < a.D; ++d) dst[d] = to_float(src[d]) * a.qscale;
+        sc.lo[m] = lo;
+        sc.hi[m] = hi;
+      }
+    }
+  }
+}
+
+// Online-softmax update of query vector m with the block's scores s[0:nb] (masked as needed);
+// leaves its probabilities in p[0:nb].
+inline void softmax_update(const Args& a, Scratch& sc, int m, int64_t j, int nb, bool masked,
+                           float* s, float* p) {
+  if (a.softcap > 0.f) {  // before the mask: tanh(-inf) is not -inf
+    for (int i = 0; i < nb; ++i) s[i] = a.softcap * std::tanh(s[i]);
+  }
+  if (masked) {
+    for (int i = 0; i < nb; ++i)
+      if (j + i < sc.lo[m] || j + i >= sc.hi[m]) s[i] = kNegInf;
+  }
+  const float bmax = block_max(s, nb);
+  if (bmax == kNegInf) {  // this query sees none of the block
+    std::fill(p, p + nb, 0.f);
+    return;
+  }
+  const float mnew = std::max(sc.m[m], bmax);
+  const float sum = exp_sum(s, mnew, p, nb);
+  if (sc.m[m] != mnew) {
+    const float alpha = sc.m[m] == kNegInf ? 0.f : std::exp(sc.m[m] - mnew);
+    float* om = sc.o.data() + m * a.D;
+    for (int64_t d = 0; d < a.D; ++d) om[d] *= alpha;
+    sc.l[m] *= alpha;
+    sc.m[m] = mnew;
+  }
+  sc.l[m] += sum;
+}
+
+// Walks keys [it.j0, it.j1) for the item's M query vectors; leaves (o unnormalised, running
+// max, running sum) in sc. Returns false when a slot lies outside the pool.
+template <class Kernel, typename KT, typename IT>
+bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
+  const int64_t D = a.D, per_head = (it.t1 - it.t0) * a.G;
+  const IT* idx = static_cast<const IT*>(a.idx) + a.kvp[it.r];
+  const KT* kb = static_cast<const KT*>(a.k);
+  const KT* vb = static_cast<const KT*>(a.v);
+  std::fill(sc.o.begin(), sc.o.begin() + M * D, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + M, kNegInf);
+  std::fill(sc.l.begin(), sc.l.begin() + M, 0.f);
+  int64_t all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();  // keys every query sees
+  for (int m = 0; m < M; ++m) {
+    all_lo = std::max(all_lo, sc.lo[m]);
+    all_hi = std::min(all_hi, sc.hi[m]);
+  }
+  const KT* krow[2][kBlock];  // token bases of this block and the next
+  const KT* vrow[2][kBlock];
+  auto rows = [&](int64_t j, int nb, int buf) -> bool {
+    for (int i = 0; i < nb; ++i) {
+      const int64_t slot = static_cast<int64_t>(idx[j + i]);
+      if (slot < 0 || slot >= a.S) return false;
+      krow[buf][i] = kb + slot * a.ks0;
+      vrow[buf][i] = vb + slot * a.vs0;
+    }
+    return true;
+  };
+  const std::vector<int64_t> kl = row_lines(it.h0, it.nh, a.ks1, D, sizeof(KT));
+  const std::vector<int64_t> vl = row_lines(it.h0, it.nh, a.vs1, D, sizeof(KT));
+  Prefetcher pf(kl.data(), static_cast<int>(kl.size()), vl.data(), static_cast<int>(vl.size()));
+  const int64_t groups = (per_head + kGroup - 1) / kGroup;
+  const int64_t ticks_per_key = it.nh * groups * (1 + (D + 15) / 16);
+  int buf = 0;
+  if (it.j1 > it.j0) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBlock, it.j1 - it.j0));
+    if (!rows(it.j0, nb, 0)) return false;
+    pf.start(reinterpret_cast<const void* const*>(krow[0]),
+             reinterpret_cast<const void* const*>(vrow[0]), nb, 0);
+    pf.flush();
+  }
+  for (int64_t j = it.j0; j < it.j1; j += kBlock, buf ^= 1) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBlock, it.j1 - j));
+    const int64_t jn = j + kBlock;
+    const int nn = jn < it.j1 ? static_cast<int>(std::min<int64_t>(kBlock, it.j1 - jn)) : 0;
+    if (nn && !rows(jn, nn, buf ^ 1)) return false;
+    pf.start(reinterpret_cast<const void* const*>(krow[buf ^ 1]),
+             reinterpret_cast<const void* const*>(vrow[buf ^ 1]), nn, ticks_per_key * nb);
+    const bool masked = j < all_lo || j + nb > all_hi;
+    // Token-major over the block (a few keys at a time, all heads), so K and then V rows are
+    // read in order, whole: measured ~25% faster than a pass per head over the block.
+    const int mh = static_cast<int>(per_head);
+    for (int j4 = 0; j4 < nb; j4 += kScoreKeys) {
+      const int n = std::min(kScoreKeys, nb - j4);
+      for (int64_t h = 0; h < it.nh; ++h) {
+        const int64_t m0 = h * per_head;
+        scores_all<Kernel>(sc.q.data() + m0 * D, mh, D, krow[buf] + j4, (it.h0 + h) * a.ks1, n,
+                           sc.s.data() + m0 * kBlock + j4, pf);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      softmax_update(a, sc, m, j, nb, masked, sc.s.data() + m * kBlock, sc.p.data() + m * kBlock);
+    for (int j8 = 0; j8 < nb; j8 += kAccumulateKeys) {
+      const int n = std::min(kAccumulateKeys, nb - j8);
+      for (int64_t h = 0; h < it.nh; ++h) {
+        const int64_t m0 = h * per_head;
+        accumulate_all<Kernel>(sc.o.data() + m0 * D, mh, D, vrow[buf] + j8, (it.h0 + h) * a.vs1,
+                               n, sc.p.data() + m0 * kBlock + j8, pf);
+      }
+    }
+  }
+  return true;
+}
+
+template <typename QT>
+inline void write_output(const Args& a, const Item& it, const float* o, const float* mx,
+                         const float* l, QT* out, float* lse) {
+  int64_t m = 0;
+  for (int64_t h = it.h0; h < it.h0 + it.nh; ++h) {
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      for (int64_t g = 0; g < a.G; ++g, ++m) {
+        const int64_t row = t * a.H + h * a.G + g;
+        if (l[m] > 0.f) {  // else: left at o = 0, lse = -inf
+          const float inv = 1.f / l[m];
+          for (int64_t d = 0; d < a.D; ++d)
+            out[row * a.D + d] = static_cast<QT>(o[m * a.D + d] * inv);
+          lse[row] = mx[m] + std::log(l[m]);
+        }
+      }
+    }
+  }
+}
+
+// Items of one call: (request, query tile, KV-head chunk), split along the keys when there are
+// too few for the threads to share well; sorted by cost, largest first.
+std::vector<Item> plan(const Args& a, int64_t R, int threads, int64_t* parts) {
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t q0 = a.qo[r], q1 = a.qo[r + 1];
+    if (q1 <= q0 || a.kvp[r + 1] <= a.kvp[r]) continue;
+    for (int64_t t0 = q0; t0 < q1; t0 += a.rows_per_tile) {
+      const int64_t t1 = std::min(q1, t0 + a.rows_per_tile);
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        int64_t l, h;
+        visible_range(a, r, a.qpos[t], &l, &h);
+        if (h > l) {
+          lo = std::min(lo, l);
+          hi = std::max(hi, h);
+        }
+      }
+      if (hi <= lo) continue;  // no query of the tile sees a key
+      for (int64_t h0 = 0; h0 < a.Hkv; h0 += a.heads_per_item) {
+        const int64_t nh = std::min(a.heads_per_item, a.Hkv - h0);
+        const int64_t cost = (hi - lo) * nh * ((t1 - t0) * a.G + 8);  // dots + memory
+        items.push_back({r, h0, nh, t0, t1, lo, hi, -1, cost});
+        total += cost;
+      }
+    }
+  }
+  *parts = 0;
+  if (threads > 1 && !items.empty()) {
+    const int64_t target = std::max<int64_t>(1, total / (4 * threads));
+    std::vector<Item> split;
+    for (const Item& it : items) {
+      const int64_t n = it.j1 - it.j0;
+      const int64_t k = std::min((it.cost + target - 1) / target, n / kSplitMin);
+      if (k <= 1) {
+        split.push_back(it);
+        continue;
+      }
+      for (int64_t i = 0; i < k; ++i) {
+        Item s = it;
+        s.j0 = it.j0 + n * i / k;
+        s.j1 = it.j0 + n * (i + 1) / k;
+        s.cost = it.cost / k;
+        s.part = (*parts)++;
+        split.push_back(s);
+      }
+    }
+    items.swap(split);
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  return items;
+}
+
+template <class Kernel, typename KT, typename IT, typename QT>
+void run(const Args& a, int64_t R, QT* out, float* lse) {
+  const int threads = std::max(1, at::get_num_threads());
+  int64_t nparts = 0;
+  std::vector<Item> items = plan(a, R, threads, &nparts);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  if (n_items == 0) return;
+  const int64_t MT = a.rows_per_tile * a.G * a.heads_per_item;  // most query vectors per item
+  std::vector<float> part_o(nparts * MT * a.D), part_m(nparts * MT), part_l(nparts * MT);
+  std::vector<int64_t> part_item(nparts);
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, std::min<int64_t>(threads, n_items), 1, [&](int64_t, int64_t) {
+    Scratch sc(MT, a.D);
+    for (int64_t i = next++; i < n_items && !bad.load(std::memory_order_relaxed); i = next++) {
+      const Item& it = items[i];
+      const int M = static_cast<int>((it.t1 - it.t0) * a.G * it.nh);
+      load_queries<QT>(a, it, sc);
+      if (!attend_item<Kernel, KT, IT>(a, it, sc, M)) {
+        bad = true;
+        break;
+      }
+      if (it.part < 0) {
+        write_output<QT>(a, it, sc.o.data(), sc.m.data(), sc.l.data(), out, lse);
+      } else {
+        std::copy(sc.o.begin(), sc.o.begin() + M * a.D, part_o.begin() + it.part * MT * a.D);
+        std::copy(sc.m.begin(), sc.m.begin() + M, part_m.begin() + it.part * MT);
+        std::copy(sc.l.begin(), sc.l.begin() + M, part_l.begin() + it.part * MT);
+        part_item[it.part] = i;
+      }
+    }
+  });
+  TORCH_CHECK_INDEX(!bad, "paged_attention: kv_indices hold slots outside the pool [0, ", a.S,
+                    ")");
+  if (nparts == 0) return;
+  // The splits of one item have consecutive part numbers: merge them by log-sum-exp.
+  std::vector<int64_t> first;
+  for (int64_t pi = 0; pi < nparts; ++pi) {
+    const Item& it = items[part_item[pi]];
+    const Item* prev = pi ? &items[part_item[pi - 1]] : nullptr;
+    if (!prev || it.r != prev->r || it.h0 != prev->h0 || it.t0 != prev->t0) first.push_back(pi);
+  }
+  first.push_back(nparts);
+  at::parallel_for(0, static_cast<int64_t>(first.size()) - 1, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> o(MT * a.D), mx(MT), l(MT);
+    for (int64_t g = b; g < e; ++g) {
+      const Item& it = items[part_item[first[g]]];
+      const int64_t M = (it.t1 - it.t0) * a.G * it.nh;
+      for (int64_t m = 0; m < M; ++m) {
+        float mm = kNegInf;
+        for (int64_t pi = first[g]; pi < first[g + 1]; ++pi)
+          mm = std::max(mm, part_m[pi * MT + m]);
+        mx[m] = mm;
+        l[m] = 0.f;
+        std::fill(o.begin() + m * a.D, o.begin() + (m + 1) * a.D, 0.f);
+        if (mm == kNegInf) continue;
+        for (int64_t pi = first[g]; pi < first[g + 1]; ++pi) {
+          const float pm = part_m[pi * MT + m];
+          if (pm == kNegInf) continue;
+          const float w = std::exp(pm - mm);
+          l[m] += w * part_l[pi * MT + m];
+          const float* po = part_o.data() + (pi * MT + m) * a.D;
+          for (int64_t d = 0; d < a.D; ++d) o[m * a.D + d] += w * po[d];
+        }
+      }
+      write_output<QT>(a, it, o.data(), mx.data(), l.data(), out, lse);
+    }
+  });
+}
+
+template <typename KT, typename IT, typename QT>
+void run_dispatch_simd(const Args& a, int64_t R, QT* out, float* lse) {
+#if LAMINA_AVX512
+  if (a.D == 64) return run<Avx512<4>, KT, IT, QT>(a, R, out, lse);
+  if (a.D == 128) return run<Avx512<8>, KT, IT, QT>(a, R, out, lse);
+  if (a.D % 16 == 0) return run<Avx512<0>, KT, IT, QT>(a, R, out, lse);
+#endif
+  run<Generic, KT, IT, QT>(a, R, out, lse);
+}
+
+template <typename KT, typename IT>
+void run_dispatch_q(const Args& a, int64_t R, const at::Tensor& o, float* lse) {
+  switch (o.scalar_type()) {
+    case at::kFloat: return run_dispatch_simd<KT, IT>(a, R, o.data_ptr<float>(), lse);
+    case at::kBFloat16:
+      return run_dispatch_simd<KT, IT>(a, R, o.data_ptr<c10::BFloat16>(), lse);
+    case at::kHalf: return run_dispatch_simd<KT, IT>(a, R, o.data_ptr<c10::Half>(), lse);
+    default: TORCH_CHECK(false, "paged_attention: q must be float32, bfloat16 or float16");
+  }
+}
+
+template <typename KT>
+void run_dispatch_idx(const Args& a, int64_t R, at::ScalarType it, const at::Tensor& o,
+                      float* lse) {
+  if (it == at::kInt) return run_dispatch_q<KT, int32_t>(a, R, o, lse);
+  run_dispatch_q<KT, int64_t>(a, R, o, lse);
+}
+
+at::Tensor as_long(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> paged_attention(
+    const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool,
+    const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices_in,
+    const at::Tensor& q_positions, const at::Tensor& kv_start_pos, double scale, int64_t window,
+    double softcap) {
+  TORCH_CHECK(q_in.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "paged_attention (C++): CPU tensors only");
+  TORCH_CHECK(q_in.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
+              "paged_attention: q[T,H,D], k_pool/v_pool[S,Hkv,D]");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "paged_attention: k_pool and v_pool differ in shape or dtype");
+  TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
+              "paged_attention: pools need a contiguous last dimension");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t S = k_pool.size(0), Hkv = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(2) == D && Hkv > 0 && H % Hkv == 0,
+              "paged_attention: head_dim / GQA mismatch between q and the pools");
+  const int64_t R = qo_indptr.numel() - 1;
+  TORCH_CHECK(R >= 0 && kv_indptr.numel() == R + 1 && kv_start_pos.numel() == R &&
+                  q_positions.numel() == T,
+              "paged_attention: index tensor lengths do not match");
+  auto o = at::zeros_like(q);
+  auto lse = at::full({T, H}, -std::numeric_limits<float>::infinity(),
+                      q.options().dtype(at::kFloat));
+  if (T == 0 || R == 0) return {o, lse};
+  const at::Tensor qo = as_long(qo_indptr), kvp = as_long(kv_indptr);
+  const at::Tensor qpos = as_long(q_positions), kst = as_long(kv_start_pos);
+  at::Tensor idx = kv_indices_in;
+  if (idx.scalar_type() != at::kInt && idx.scalar_type() != at::kLong) idx = idx.to(at::kLong);
+  idx = idx.contiguous();
+  const int64_t* qo_p = qo.data_ptr<int64_t>();
+  const int64_t* kv_p = kvp.data_ptr<int64_t>();
+  TORCH_CHECK(qo_p[0] == 0 && qo_p[R] == T, "paged_attention: qo_indptr must run from 0 to T");
+  TORCH_CHECK(kv_p[0] >= 0 && kv_p[R] <= idx.numel(), "paged_attention: kv_indptr out of range");
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(qo_p[r + 1] >= qo_p[r] && kv_p[r + 1] >= kv_p[r],
+                "paged_attention: indptr must be non-decreasing");
+
+  Args a;
+  a.q = q.data_ptr();
+  a.T = T, a.H = H, a.Hkv = Hkv, a.G = H / Hkv, a.D = D, a.S = S;
+  a.k = k_pool.data_ptr(), a.v = v_pool.data_ptr();
+  a.ks0 = k_pool.stride(0), a.ks1 = k_pool.stride(1);
+  a.vs0 = v_pool.stride(0), a.vs1 = v_pool.stride(1);
+  a.qo = qo_p, a.kvp = kv_p, a.idx = idx.data_ptr();
+  a.qpos = qpos.data_ptr<int64_t>(), a.kstart = kst.data_ptr<int64_t>();
+  a.softcap = softcap > 0 ? static_cast<float>(softcap) : 0.f;
+  a.qscale = static_cast<float>(softcap > 0 ? scale / softcap : scale);
+  a.window = window > 0 ? window : 0;
+  a.rows_per_tile = std::max<int64_t>(1, kMaxTile / a.G);
+  // An item reads whole token rows (all KV heads: contiguous bytes, which the hardware
+  // prefetchers stream well) up to kRowBytes per pool; wider rows are cut by heads.
+  a.heads_per_item = std::clamp<int64_t>(kRowBytes / (D * k_pool.element_size()), 1, Hkv);
+  float* lse_p = lse.data_ptr<float>();
+  switch (k_pool.scalar_type()) {
+    case at::kFloat: run_dispatch_idx<float>(a, R, idx.scalar_type(), o, lse_p); break;
+    case at::kBFloat16: run_dispatch_idx<c10::BFloat16>(a, R, idx.scalar_type(), o, lse_p); break;
+    default: TORCH_CHECK(false, "paged_attention (C++): pools must be float32 or bfloat16");
+  }
+  return {o, lse};
+}
+
+std::string simd_features() {
+  std::string f;
+#if LAMINA_AVX512
+  f += "avx512";
+#else
+  f += "generic";
+#endif
+#if defined(__AVX512BF16__)
+  f += " avx512bf16";
+#endif
+#if defined(__AVX2__)
+  f += " avx2";
+#endif
+#if defined(_OPENMP)
+  f += " openmp";
+#endif
+  return f;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lamina C++ CPU paged attention (see lamina/kernels/cpp_ext.py)";
+  m.def("paged_attention", &paged_attention,
+        "paged_attention(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, "
+        "kv_start_pos, scale, window, softcap) -> (o, lse); window <= 0 / softcap <= 0: none");
+  m.def("simd_features", &simd_features, "SIMD paths compiled in");
+}

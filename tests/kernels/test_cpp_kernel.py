@@ -1,0 +1,163 @@
+"""The C++ CPU kernel (``lamina.kernels.cpp_ext``) against the reference, and its fallback."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kernel_cases import assert_matches, make_spec, random_case
+from lamina.kernels import cpp_ext, paged_attention, paged_attention_ref
+
+pytestmark = pytest.mark.skipif(not cpp_ext.available(),
+                                reason=f"C++ kernel not built: {cpp_ext.build_error()}")
+
+HEADS = [(4, 4), (9, 3), (16, 2), (4, 1)]  # MHA, SmolLM2's GQA 3, GQA 8, MQA
+MASKS = [(None, None), (24, None), (None, 30.0), (40, 2.5)]  # (window, softcap)
+F32_ATOL = 1e-5
+
+
+def _check(case, dtype, threads=None):
+    ref_o, ref_lse = paged_attention_ref(*case.args())
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        o, lse = cpp_ext.paged_attention_cpp(*case.args())
+    finally:
+        torch.set_num_threads(before)
+    assert_matches(o, lse, ref_o, ref_lse, dtype)
+    seen = ~torch.isneginf(ref_lse)
+    if dtype == torch.float32 and seen.any():
+        assert (o - ref_o).abs().max().item() <= F32_ATOL
+        assert (lse[seen] - ref_lse[seen]).abs().max().item() <= F32_ATOL
+    return o, lse
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"w{m[0]}-cap{m[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpp_matches_reference(heads, mask, head_dim, dtype):
+    """Ragged contexts, shuffled slots (unused ones NaN), decode and extend, empty shards,
+    int32 or int64 indices (by seed)."""
+    seed = 11 * HEADS.index(heads) + 3 * MASKS.index(mask) + head_dim
+    case = random_case(seed, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                       dtype=dtype, num_requests=(1, 10), max_ctx=400, max_q=20,
+                       window=mask[0], softcap=mask[1])
+    _check(case, dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpp_smollm_decode_and_long_context_splits(threads, dtype):
+    """SmolLM2 shapes; a few long requests (fewer items than threads: split along the keys
+    and merged) and many short ones."""
+    for seed, reqs, ctx in ((1, (1, 2), 3000), (2, (24, 40), 300)):
+        case = random_case(seed, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype,
+                           num_requests=reqs, max_ctx=ctx, decode_only=True)
+        _check(case, dtype, threads)
+
+
+def test_cpp_prefill_chunk_over_a_long_context():
+    case = random_case(5, num_heads=9, num_kv_heads=3, head_dim=64, num_requests=(2, 3),
+                       max_ctx=1500, max_q=200)
+    _check(case, torch.float32)
+
+
+def test_cpp_bfloat16_queries_on_a_float32_pool():
+    case = random_case(6, num_heads=9, num_kv_heads=3, head_dim=64)
+    q = case.q.to(torch.bfloat16)
+    ref_o, ref_lse = paged_attention_ref(*replace(case, q=q).args())
+    o, lse = cpp_ext.paged_attention_cpp(*replace(case, q=q).args())
+    assert o.dtype == torch.bfloat16
+    assert_matches(o, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+def test_cpp_degenerate_inputs():
+    spec = make_spec(4, 2, 16)
+    pool = torch.randn(8, 2, 16)
+    none = torch.zeros(0, dtype=torch.long)
+    o, lse = cpp_ext.paged_attention_cpp(torch.zeros(0, 4, 16), pool, pool, torch.tensor([0]),
+                                         torch.tensor([0]), none, none, none, spec)
+    assert o.shape == (0, 4, 16) and lse.shape == (0, 4)
+    q = torch.randn(2, 4, 16)
+    o, lse = cpp_ext.paged_attention_cpp(q, pool, pool, torch.tensor([0, 1, 2]),
+                                         torch.tensor([0, 2, 4]), torch.tensor([5, 1, 6, 2]),
+                                         torch.tensor([3, 4]), torch.tensor([10, 20]), spec)
+    assert torch.all(o == 0) and torch.isneginf(lse).all()  # shards after the queries
+    with pytest.raises(ValueError, match="do not match spec"):
+        cpp_ext.paged_attention_cpp(q, pool, pool, torch.tensor([0, 1, 2]),
+                                    torch.tensor([0, 0, 0]), none, torch.tensor([3, 4]),
+                                    torch.tensor([0, 0]), make_spec(4, 4, 16))
+
+
+def test_cpp_slots_outside_the_pool_raise():
+    case = random_case(52, num_heads=4, num_kv_heads=2, head_dim=16, num_requests=(3, 6),
+                       decode_only=True, allow_empty=False)
+    bad = case.kv_indices.clone()
+    bad[-1] = case.k_pool.shape[0]
+    with pytest.raises((IndexError, RuntimeError), match="outside the pool"):
+        cpp_ext.paged_attention_cpp(*replace(case, kv_indices=bad).args())
+
+
+def test_auto_dispatch_on_cpu_uses_the_cpp_kernel(monkeypatch):
+    import lamina.kernels.dispatch as dispatch
+    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    assert dispatch.backend_for(torch.device("cpu")) == "cpp"
+    monkeypatch.setenv("LAMINA_KERNELS", "torch")
+    assert dispatch.backend_for(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("LAMINA_KERNELS", "cpp")
+    case = random_case(8, num_heads=9, num_kv_heads=3, head_dim=64)
+    ref_o, ref_lse = paged_attention_ref(*case.args())
+    assert_matches(*paged_attention(*case.args()), ref_o, ref_lse, torch.float32)
+
+
+def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch):
+    import lamina.kernels.dispatch as dispatch
+    bogus = ("-DLAMINA_BREAK_THE_BUILD", "-include", "/nonexistent/lamina_no_such_header.h")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cpp_ext.load(extra=bogus) is None
+        assert cpp_ext.load(extra=bogus) is None  # tried once per process
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert "could not be built" in str(caught[0].message)
+    monkeypatch.setenv("LAMINA_CPP_CFLAGS", " ".join(bogus))
+    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    case = random_case(9, num_heads=6, num_kv_heads=2, head_dim=16)
+    ref_o, ref_lse = paged_attention_ref(*case.args())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dispatch.backend_for(torch.device("cpu")) == "torch"
+        for _ in range(2):
+            assert_matches(*paged_attention(*case.args()), ref_o, ref_lse, torch.float32)
+    assert not caught  # the one warning of this process was given above
+    assert cpp_ext.build_error()
+
+
+def test_merge_states_on_cpu_never_builds_the_extension(monkeypatch):
+    import lamina.kernels.dispatch as dispatch
+    calls = []
+    monkeypatch.setattr(cpp_ext, "load", lambda *a, **k: calls.append(1))
+    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    os_, lses = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4)
+    o, lse = dispatch.merge_states(os_, lses)
+    assert torch.allclose(lse, torch.logsumexp(lses, 0)) and not calls
+
+
+@pytest.mark.slow
+def test_portable_loops_without_avx512():
+    """The plain-loop path (what a CPU without AVX-512 runs); builds a second variant (~40 s
+    the first time, cached after)."""
+    ext = cpp_ext.load(extra=("-mno-avx512f",))
+    assert ext is not None and "generic" in ext.simd_features()
+    for seed, dtype in ((21, torch.float32), (22, torch.bfloat16)):
+        case = random_case(seed, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype,
+                           num_requests=(3, 8), max_q=12, window=50 if seed == 22 else None,
+                           softcap=20.0)
+        spec = case.spec
+        o, lse = ext.paged_attention(*case.args()[:8], float(spec.scale),
+                                     int(spec.window or 0), float(spec.softcap or 0.0))
+        ref_o, ref_lse = paged_attention_ref(*case.args())
+        assert_matches(o, lse, ref_o, ref_lse, dtype)
