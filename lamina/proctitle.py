@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import threading
 from typing import Any, Callable
 
 _PR_SET_NAME = 15
@@ -34,3 +35,17 @@ def run_titled(title: str, target: Callable[..., Any], args: tuple) -> Any:
     """Entry point of a role process: set the title, then run ``target(*args)``."""
     set_title(title)
     return target(*args)
+
+
+def keep_title(title: str, interval: float = 1.0,
+               setter: Callable[[str], None] = set_title) -> None:
+    """Set ``title`` now and re-assert it every ``interval`` seconds from a daemon thread, with
+    ``setter``: a Ray worker owns its process title (through its own ``setproctitle``, which
+    the pip package cannot override) and renames it around every actor call."""
+    def loop() -> None:
+        stop = threading.Event()
+        while not stop.wait(interval):
+            setter(title)
+
+    setter(title)
+    threading.Thread(target=loop, name="lamina-title", daemon=True).start()

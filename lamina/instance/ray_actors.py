@@ -18,7 +18,7 @@ from typing import Any, Callable
 import psutil
 import ray
 
-from lamina.proctitle import set_title
+from lamina.proctitle import keep_title, set_title
 
 
 def here() -> dict[str, Any]:
@@ -35,7 +35,8 @@ class RoleActor:
         self.thread: threading.Thread | None = None
 
     def run(self, target: Callable[..., Any], args: tuple, title: str) -> dict[str, Any]:
-        set_title(title)  # the actor's process hosts this role only
+        # the actor's process hosts this role only; Ray sets titles through its own setter
+        keep_title(title, setter=getattr(ray._raylet, "setproctitle", set_title))
         self.thread = threading.Thread(target=target, args=args, daemon=True)
         self.thread.start()
         return {**here(), "pid": os.getpid()}

@@ -5,11 +5,15 @@ to tcp stopped by SIGTERM, whose outputs must be identical. Shutdown leaves no p
 behind."""
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import urllib.request
 
 import concurrent.futures as cf
 
 import openai
+import psutil
 import pytest
 from launch_harness import launched  # tests/launch is on sys.path (pytest rootdir mode)
 
@@ -105,3 +109,49 @@ def test_errors_are_openai_style_4xx_and_the_server_keeps_serving(server):
                  "lamina_generated_tokens_total", "lamina_time_to_first_token_seconds_bucket",
                  "lamina_time_between_tokens_seconds_bucket"):
         assert name in metrics
+
+
+def _titled(title: str) -> list[int]:
+    """Pids of processes titled ``title`` that are lamina launch or its Ray workers."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if " ".join(p.info["cmdline"] or []).strip() != title:
+            continue
+        try:
+            parent = " ".join(p.parent().cmdline())
+        except (psutil.Error, AttributeError):
+            continue
+        if "raylet" in parent or title == "lamina: server":
+            found.append(p.pid)
+    return found
+
+
+def test_roles_are_named_and_a_killed_memory_node_loses_no_request(server):
+    """Every process names its role in ps; kill -9 of a memory node's actor mid-generation:
+    every stream completes with the unfaulted text and the server keeps serving."""
+    name, client, port = server
+    if name != "auto":
+        pytest.skip("the fault is injected once, on the shm deployment")
+    for title in ("lamina: server", "lamina: replica 0", "lamina: replica 1",
+                  "lamina: memory node 0", "lamina: memory node 1"):
+        assert len(_titled(title)) == 1, title
+    prompts = PROMPTS[:4]
+    kw = dict(model="smollm2", max_tokens=48, temperature=0)
+    want = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    started = threading.Event()
+
+    def stream(p: str) -> str:
+        parts = []
+        for c in client.completions.create(prompt=p, stream=True, **kw):
+            parts.append(c.choices[0].text if c.choices else "")
+            started.set()
+        return "".join(parts)
+
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        futures = [ex.submit(stream, p) for p in prompts]
+        assert started.wait(120)
+        os.kill(_titled("lamina: memory node 1")[0], signal.SIGKILL)
+        got = [f.result(timeout=600) for f in futures]
+    assert got == want
+    assert _greedy(client, "Still serving?").choices[0].text
+    assert b"ok" in urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read()
