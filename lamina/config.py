@@ -58,7 +58,9 @@ class InstanceConfig:
     ``device`` / ``memory_device``: ``cpu``, ``cpu:N``, ``cpu:A-B`` (the cores the role owns:
     it pins itself to them and runs that many threads), ``cuda:N`` (:mod:`lamina.device`).
     ``transport`` picks the links between roles out of process (``auto``: shm on one host,
-    tcp across hosts); ``num_threads`` is the torch thread count of a role that owns no cores."""
+    tcp across hosts); ``num_threads`` is the torch thread count of a role that owns no cores;
+    ``spin``: a role alone on its cores (one instance per host) polls its shm links instead of
+    sleeping on them."""
 
     memory: int = 1
     placement: str = "inproc"
@@ -68,6 +70,7 @@ class InstanceConfig:
     transport: str = "auto"
     address: str | None = None
     num_threads: int = 1
+    spin: bool = True
 
     def __post_init__(self) -> None:
         if self.memory < 1:

@@ -97,6 +97,16 @@ def default_cores(compute: int, memory: int) -> tuple[Device, Device]:
     return (Device("cpu", cores=cores[:n_compute]), Device("cpu", cores=cores[n_compute:]))
 
 
+def exclusive(devices: list[Device]) -> list[bool]:
+    """Whether each device names CPU cores that no other device of the list shares."""
+    out = []
+    for i, d in enumerate(devices):
+        mine = set(d.cores or ())
+        others = {c for j, e in enumerate(devices) if j != i for c in (e.cores or ())}
+        out.append(d.kind == "cpu" and bool(mine) and not mine & others)
+    return out
+
+
 def own_cores(cores: tuple[int, ...] | list[int] | None, threads: int | None = None) -> int:
     """Pin the calling process to ``cores`` and size torch's thread pool to them (or to
     ``threads``); returns the thread count. ``None``: no pinning, ``threads`` (default 1)."""

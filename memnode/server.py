@@ -29,7 +29,7 @@ from lamina.errors import NodeFailure
 from lamina.memnode.node import MemoryNode
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
-from lamina.transport.endpoint import Listening, connect, listen
+from lamina.transport.endpoint import Listening, connect, listen, set_spin_us
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttentionSpec
 
@@ -142,14 +142,15 @@ class NodeServer:
 
 
 def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: torch.dtype,
-                slab_size: int, num_threads: int = 1,
-                cores: list[int] | None = None) -> dict[str, Any]:
+                slab_size: int, num_threads: int = 1, cores: list[int] | None = None,
+                spin: bool = False) -> dict[str, Any]:
     """Everything a memory-node server needs, as plain data (a process argument): ``device``
     a torch device string; ``cores`` the CPU cores the node owns (it pins itself and runs one
-    thread per core; None: ``num_threads`` threads, unpinned)."""
+    thread per core; None: ``num_threads`` threads, unpinned); ``spin``: it owns them alone,
+    so its shm receivers never sleep."""
     return {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-            "num_threads": num_threads, "cores": cores}
+            "num_threads": num_threads, "cores": cores, "spin": spin}
 
 
 def build_node(config: dict[str, Any]) -> MemoryNode:
@@ -163,5 +164,7 @@ def serve_node(endpoint: dict[str, Any], config: dict[str, Any]) -> None:
     """A role's entry point (a process or an actor thread): join the primary channel at
     ``endpoint``, build the node from ``config``, serve until SHUTDOWN or the engine is gone."""
     own_cores(config.get("cores"), None if config.get("cores") else config.get("num_threads", 1))
+    if config.get("spin"):
+        set_spin_us(float("inf"))
     ch = connect(endpoint)
     NodeServer(build_node(config)).serve(ch)

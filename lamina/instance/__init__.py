@@ -26,7 +26,7 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.server import ReplicaConfig
 from lamina.config import CacheConfig, DeploymentConfig
-from lamina.device import own_cores, parse
+from lamina.device import exclusive, own_cores, parse
 from lamina.engine.engine import Engine
 from lamina.engine.worker import LocalWorker, ReplicaWorker
 from lamina.instance.launcher import Launcher
@@ -147,9 +147,12 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         closers: list[Callable[[], None]] = []
     else:
         from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
+        # a role alone on its cores spins instead of sleeping (one instance per host only)
+        spin = (exclusive(replica_devs + node_devs) if config.instances == 1 and icfg.spin
+                else [False] * (len(replica_devs) + len(node_devs)))
         nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
                                    slab_size=config.cache.slab_size, transport=icfg.transport,
-                                   num_threads=icfg.num_threads)
+                                   num_threads=icfg.num_threads, spin=spin[len(replica_devs):])
         closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
         template = ReplicaConfig(config.model.model, replica_devs[0].torch,
                                  str(info.dtype).removeprefix("torch."), 0, 1, "none",
@@ -157,7 +160,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         try:
             worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
                                     num_slices=len(info.split.slices), transport=icfg.transport,
-                                    timeline=timeline)
+                                    timeline=timeline, spin=spin[:len(replica_devs)])
         except BaseException:
             closers[0]()
             raise

@@ -96,12 +96,14 @@ def stop_roles(handles: list[RoleHandle], channels: list) -> None:
 
 def start_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: list[Device],
                        capacity: int, *, dtype: torch.dtype, slab_size: int, transport: str,
-                       num_threads: int = 1) -> list[RemoteNode]:
+                       num_threads: int = 1, spin: list[bool] | None = None) -> list[RemoteNode]:
     """One memory-node server of ``capacity`` slots per device (each pins itself to its
     device's cores); the engine's clients of them (``client.process`` is the role's handle;
     the caller stops it)."""
+    spin = spin or [False] * len(devices)
     configs = [node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
-                           list(d.cores) if d.cores else None) for d in devices]
+                           list(d.cores) if d.cores else None, sp)
+               for d, sp in zip(devices, spin)]
     handles, channels = start_roles(launcher, serve_node, configs, role="memory",
                                     device=devices[0].torch, transport=transport)
     return [RemoteNode(ch, h, f"memory node {i}")
@@ -117,7 +119,8 @@ class RemoteReplicas(WorkerClient):
 
     def __init__(self, launcher: Launcher, replica: ReplicaConfig, nodes: list[RemoteNode],
                  config: PipelineConfig, devices: list[Device], *, num_slices: int,
-                 transport: str = "auto", timeline: Timeline | None = None):
+                 transport: str = "auto", timeline: Timeline | None = None,
+                 spin: list[bool] | None = None):
         self.config = config
         self.micro_batches = config.micro_batches
         self.nodes = list(nodes)  # own pool's nodes, then attached (borrowed) ones
@@ -138,7 +141,8 @@ class RemoteReplicas(WorkerClient):
                                            "attn_parts": config.attn_parts,
                                            "trace": timeline is not None,
                                            "device": d.torch,
-                                           "cores": list(d.cores) if d.cores else None}))
+                                           "cores": list(d.cores) if d.cores else None,
+                                           "spin": bool(spin and spin[i])}))
                    for i, d in enumerate(devices)]
         self.procs, self.channels = start_roles(launcher, serve_replica, configs, role="compute",
                                                 device=replica.device, transport=transport)

@@ -18,6 +18,14 @@ from lamina.transport.base import START_TIMEOUT_S, Channel
 KINDS = ("shm", "tcp")
 RING_BYTES = 8 << 20  # data bytes per direction of a shm channel
 SPIN_US = 20.0  # a receiver spins this long before it blocks on its doorbell
+_spin_us = SPIN_US  # this process's choice (set_spin_us)
+
+
+def set_spin_us(us: float) -> None:
+    """How long this process's shm receivers spin before they block: ``inf`` in a role that owns
+    its cores alone (it never sleeps), the short default otherwise."""
+    global _spin_us
+    _spin_us = float(us)
 
 
 class Listening:
@@ -48,12 +56,13 @@ class Listening:
                 self._listener.close()
 
 
-def listen(kind: str = "shm", host: str = "127.0.0.1", *, spin_us: float = SPIN_US) -> Listening:
+def listen(kind: str = "shm", host: str = "127.0.0.1", *,
+           spin_us: float | None = None) -> Listening:
     """Open an endpoint of backend ``kind``; a tcp listener binds ``host`` (loopback unless the
     placement spans hosts)."""
     if kind == "shm":
         from lamina.transport.shm import ShmChannel
-        ch = ShmChannel.create(capacity=RING_BYTES, spin_us=spin_us)
+        ch = ShmChannel.create(capacity=RING_BYTES, spin_us=_spin_us if spin_us is None else spin_us)
         return Listening({"kind": "shm", "spec": ch.spec.to_dict()}, channel=ch)
     if kind == "tcp":
         from lamina.transport.tcp import TcpListener
@@ -63,12 +72,13 @@ def listen(kind: str = "shm", host: str = "127.0.0.1", *, spin_us: float = SPIN_
     raise ValueError(f"unknown channel kind {kind!r}; expected one of {KINDS}")
 
 
-def connect(endpoint: dict[str, Any], *, spin_us: float = SPIN_US) -> Channel:
+def connect(endpoint: dict[str, Any], *, spin_us: float | None = None) -> Channel:
     """Join the channel described by ``endpoint`` (from :func:`listen`)."""
     kind = endpoint.get("kind")
     if kind == "shm":
         from lamina.transport.shm import ShmChannel
-        return ShmChannel.attach(endpoint["spec"], spin_us=spin_us)
+        return ShmChannel.attach(endpoint["spec"],
+                                 spin_us=_spin_us if spin_us is None else spin_us)
     if kind == "tcp":
         from lamina.transport.tcp import TcpChannel
         return TcpChannel.connect(endpoint["host"], int(endpoint["port"]))

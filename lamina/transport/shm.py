@@ -8,8 +8,10 @@ of any capacity. Decoded tensors own a fresh buffer (never a view of shared memo
 
 Segment layout and the ring itself: :mod:`lamina.transport.shm_ring`.
 
-Waiting. A side that finds nothing to do busy-polls for ``spin_us`` microseconds, then sets
-its waiting flag, re-checks, and blocks on a *doorbell*: a named FIFO (``os.mkfifo``) next to
+Waiting. A side that finds nothing to do busy-polls for ``spin_us`` microseconds (``inf``: a
+receiver that owns its core spins for good, yielding to any runnable thread of its core and
+checking the peer every ``wake_interval``), then sets its waiting flag, re-checks, and blocks
+on a *doorbell*: a named FIFO (``os.mkfifo``) next to
 the segments, which the other side writes one byte to (non-blocking) only when it sees the
 flag. The block is a ``poll`` of at most ``wake_interval`` seconds, after which it re-checks
 the ring, the closed flags and the peer's liveness, so an idle receiver costs ~0% CPU and a
@@ -176,10 +178,22 @@ class ShmChannel(Channel):
         ``check()`` runs after each timed wake and raises to abort (closed / peer died)."""
         if ready():
             return True
-        spin_end = time.perf_counter() + self._spin_s
-        while time.perf_counter() < spin_end:
+        now = time.perf_counter()
+        spin_end, next_check = now + self._spin_s, now + self._wake
+        forever = self._spin_s == float("inf")
+        spins = 0
+        while now < spin_end:
             if ready():
                 return True
+            spins += 1
+            if forever and not spins & 1023:  # a core of our own: never sleep, but now and
+                os.sched_yield()  # then let a runnable thread (and our own, via the GIL) go
+            now = time.perf_counter()
+            if now >= next_check:
+                check()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                next_check = now + self._wake
         while True:  # a stale ring left in the FIFO costs one extra turn (wait drains it)
             ring.ctl[flag] = 1
             _fence()

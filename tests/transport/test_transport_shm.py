@@ -30,7 +30,8 @@ def files_of(spec: ShmChannelSpec) -> list[str]:
     return paths
 
 
-@pytest.mark.parametrize("capacity,spin_us", [(1, 0.0), (97, 100.0), (4096, 0.0)])
+@pytest.mark.parametrize("capacity,spin_us", [(1, 0.0), (97, 100.0), (4096, 0.0),
+                                              (97, float("inf"))])
 def test_tiny_rings_stream_any_message(capacity, spin_us):
     a, b = shm_pair(capacity, spin_us=spin_us)
     msgs = [Message(MsgKind.KV, step_id=i, meta={"i": i}, tensors=[torch.randn(i * 37 % 500)])
@@ -173,6 +174,24 @@ def test_closed_end_refuses_and_peer_sees_close_after_draining():
     with pytest.raises(ChannelClosed):
         b.send(Message(MsgKind.PING))
     b.close()
+
+
+def test_a_receiver_that_never_sleeps_still_sees_timeouts_close_and_a_dead_peer():
+    """spin_us=inf (a role alone on its core): recv polls without blocking, yet a deadline,
+    the peer closing and the peer dying end it (checked every wake_interval)."""
+    a, b = shm_pair(4096, spin_us=float("inf"), wake_interval=0.01)
+    with pytest.raises(TimeoutError):
+        b.recv(timeout=0.05)
+    threading.Timer(0.05, a.close).start()
+    with pytest.raises(ChannelClosed):
+        b.recv(timeout=30)
+    b.close()
+    c, d = shm_pair(4096, spin_us=float("inf"), wake_interval=0.01)
+    d.set_peer_alive(lambda: False)
+    with pytest.raises(PeerDied):
+        d.recv(timeout=30)
+    c.close()
+    d.close()
 
 
 def test_peer_alive_hook_and_same_process_default():
