@@ -33,6 +33,7 @@ from types import ModuleType
 
 import torch
 
+from lamina.kernels.reference import check_shapes
 from lamina.types import AttentionSpec
 
 SOURCES = (Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp",)
@@ -168,11 +169,7 @@ def paged_attention_cpp(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                         spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention by the C++ kernel (see the module docstring); raises ``RuntimeError``
     naming the cause when the extension cannot be built."""
-    T, H, D = q.shape
-    if H != spec.num_heads or k_pool.shape[1:] != (spec.num_kv_heads, D) or D != spec.head_dim:
-        raise ValueError(f"paged_attention: q{tuple(q.shape)} / k_pool{tuple(k_pool.shape)} do not "
-                         f"match spec (H={spec.num_heads}, Hkv={spec.num_kv_heads}, "
-                         f"D={spec.head_dim})")
+    check_shapes(q, k_pool, spec)
     if not cpp_eligible(q, k_pool, v_pool):
         from lamina.kernels.torch_sparse import paged_attention_cpu
         return paged_attention_cpu(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,

@@ -44,6 +44,16 @@ def attention_over_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     return o.to(q.dtype), lse.transpose(0, 1).contiguous()
 
 
+def check_shapes(q: torch.Tensor, k_pool: torch.Tensor, spec: AttentionSpec) -> None:
+    """Raise ``ValueError`` unless ``q[T,H,D]`` and ``k_pool[S,Hkv,D]`` match ``spec``."""
+    D = q.shape[-1]
+    if (q.shape[1] != spec.num_heads or k_pool.shape[1:] != (spec.num_kv_heads, D)
+            or D != spec.head_dim):
+        raise ValueError(f"paged_attention: q{tuple(q.shape)} / k_pool{tuple(k_pool.shape)} do not "
+                         f"match spec (H={spec.num_heads}, Hkv={spec.num_kv_heads}, "
+                         f"D={spec.head_dim})")
+
+
 def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                         q_positions: torch.Tensor, kv_start_pos: torch.Tensor,

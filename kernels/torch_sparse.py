@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from lamina.kernels import plan_cache
 from lamina.kernels.torch_batched import (MAX_SCORE_ELEMS, MIN_CHUNK_BYTES, _attend_group,
                                           _request_chunks, paged_attention_batched)
+from lamina.kernels.reference import check_shapes
 from lamina.types import AttentionSpec
 
 MAX_SPARSE_Q = 8  # requests with at most this many queries take the sparse path
@@ -207,11 +208,8 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     with more than ``max_sparse_q`` queries on the padded path), ``max_score_elems`` and
     ``min_chunk_bytes`` bound memory; none changes results. ``cache=False`` rebuilds the plan.
     """
+    check_shapes(q, k_pool, spec)
     T, H, D = q.shape
-    if H != spec.num_heads or k_pool.shape[1:] != (spec.num_kv_heads, D) or D != spec.head_dim:
-        raise ValueError(f"paged_attention: q{tuple(q.shape)} / k_pool{tuple(k_pool.shape)} do not "
-                         f"match spec (H={spec.num_heads}, Hkv={spec.num_kv_heads}, "
-                         f"D={spec.head_dim})")
     if not sparse_eligible(q, k_pool, v_pool):
         return paged_attention_batched(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
                                        q_positions, kv_start_pos, spec,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+import time
 from typing import Any, Callable
 
 _PR_SET_NAME = 15
@@ -43,8 +44,8 @@ def keep_title(title: str, interval: float = 1.0,
     ``setter``: a Ray worker owns its process title (through its own ``setproctitle``, which
     the pip package cannot override) and renames it around every actor call."""
     def loop() -> None:
-        stop = threading.Event()
-        while not stop.wait(interval):
+        while True:
+            time.sleep(interval)
             setter(title)
 
     setter(title)
