@@ -30,8 +30,7 @@ def files_of(spec: ShmChannelSpec) -> list[str]:
     return paths
 
 
-@pytest.mark.parametrize("capacity,spin_us", [(1, 0.0), (97, 100.0), (4096, 0.0),
-                                              (97, float("inf"))])
+@pytest.mark.parametrize("capacity,spin_us", [(1, 0.0), (97, 100.0), (4096, 0.0)])
 def test_tiny_rings_stream_any_message(capacity, spin_us):
     a, b = shm_pair(capacity, spin_us=spin_us)
     msgs = [Message(MsgKind.KV, step_id=i, meta={"i": i}, tensors=[torch.randn(i * 37 % 500)])
