@@ -3,40 +3,38 @@
 Workload: ``--requests`` requests (default 16) whose prompts are ~``--prompt-len`` tokens (default
 ~1000; built from repeated text, each request with its own prefix, lengths checked after
 tokenization and slightly different so the HF batch really is left-padded), greedy, all
-submitted together. Decode throughput with the prefill cancelled out::
+submitted together, ``--new-tokens`` (N, default 32) decode steps timed.
 
-    tokens/s = requests * (N - 1) / (t(N new tokens) - t(1 new token)),   N = --new-tokens + 1
+Decode throughput with the prefill cancelled out, measured inside one run per setup::
 
-Setups, each in this invocation (one after the other, not interleaved):
+    tokens/s = requests * N / (t(last token) - t(every request has its first token))
+
+(the issue's ``t(1+N new tokens) - t(1 new token)`` needs two runs whose ~16k-token prefills
+differ by more than the whole decode on this machine; the window above is the same decode steps
+without a second prefill.) Setups, each in this invocation (one after the other):
 
 * ``homogeneous`` (a): ``LLM(model, device="cpu:0", memory=1, memory_device="cpu:0",
-  placement="inproc")``: dense slices and attention in one process, one after the other;
+  placement="inproc")``: dense slices and attention in one process on one core;
 * ``lamina`` (b): ``LLM(model, device="cpu:0", memory=1, memory_device="cpu:1",
   placement="procs", micro_batches=2, pipeline="rotational")``: the memory node is a process
-  of its own and two micro-batches rotate, so attention overlaps the dense slices;
-* ``hf`` (c): Hugging Face ``generate`` on the same weights (greedy, one left-padded batch,
-  ``torch.set_num_threads(--hf-threads)``).
+  on its own core and two micro-batches rotate, so attention overlaps the dense slices;
+* ``hf`` (c): Hugging Face transformers on the same weights and both cores
+  (``torch.set_num_threads(--hf-threads)``): one left-padded batch, prefill, then the decode
+  steps ``generate`` does (forward of the last tokens with the ``DynamicCache``, argmax),
+  timed from the first decode step to the last.
 
 Ratios printed: lamina / homogeneous (target >= 1.35) and lamina / hf (target >= 1.2). Nothing
 is asserted about speed. ``--dtype float32 bfloat16`` runs both dtypes (weights, activations and
 KV cache in that dtype).
 
-Per-stage breakdown (of t(N) - t(1), i.e. of the decode steps only), from what each role
-measures itself, the same counters ``lamina bench`` uses (:mod:`lamina.benchmark.measure`):
-
-* engine ``execute``: time the engine spent inside its replica worker (submit/wait);
-  ``wait``: the part of it blocked (in-process replica: on memory nodes; procs: on the replica
-  process, which includes the replica's dense work *and* its waits on the memory node);
-* memory node ``attention``: the node's own ATTEND time (STATS ``attend_us``).
-
-Derived columns: ``dense`` = execute - max(wait, attention) for in-process replicas (an
-in-process node attends in the engine's thread, so its attention is inside ``execute``); for
-procs the replica's dense time is not reported to the engine, so ``dense`` is
-``wait - attention`` there: dense work *plus* transfer, *minus* whatever attention overlapped
-the dense work (rotational pipelining), so a bound of neither; ``transfer`` then reads
-"in dense". In-process: ``transfer`` = wait - attention. ``idle`` =
-decode wall time - execute (scheduling, detokenization, Python). With rotational pipelining
-attention overlaps dense work, so the columns need not add up to the wall time.
+Per-stage breakdown, per role, from the run's timeline (:mod:`lamina.timeline`; every role
+records its own spans, clipped to the decode window): compute ``dense`` (slices and sampling),
+``transfer`` (building and sending ATTENDs, merging results), ``idle`` (the rest: blocked on
+memory nodes, engine scheduling, Python); memory ``attention`` (ATTEND kernels) and ``idle``.
+In-process (``homogeneous``) the node attends inside the replica's send, so that setup's
+compute ``transfer`` includes its attention.
+The lamina run's timeline is saved as ``offload_<dtype>.trace.json`` (open in
+ui.perfetto.dev; not committed: large).
 
 Greedy agreement: the fraction of generated tokens equal to the homogeneous run's at the same
 position (per dtype), for lamina and hf.
@@ -62,7 +60,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lamina import LLM, SamplingParams  # noqa: E402  (before torch: OpenMP wait policy)
-from lamina.benchmark.measure import _attend_s, _times, left_padded  # noqa: E402
+from lamina.benchmark.steps import HFStepper  # noqa: E402
 from lamina.models import load_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -95,29 +93,44 @@ def lamina_kwargs(setup: str) -> dict:
                 micro_batches=2, pipeline="rotational")
 
 
-def _counters(llm) -> tuple[float, float, list[float]]:
-    ex, wait = _times(llm)
-    return ex, wait, _attend_s(llm)
-
-
-def _timed_generate(llm, prompts, n_new: int):
-    """(seconds, counter deltas, tokens, seconds after every request had its first token)."""
-    c0 = _counters(llm)
+def _stream(llm, prompts, n_new: int):
+    """Generate ``n_new`` greedy tokens per prompt; (tokens, perf_counter_ns when every request
+    had its first token, perf_counter_ns at the end)."""
     p = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
     toks: list[list[int]] = [[] for _ in prompts]
-    t = time.perf_counter()
     t_first = None
     for d in llm.generate_stream(prompts, p):
         toks[d.index] += d.token_ids
         if t_first is None and all(toks):
-            t_first = time.perf_counter()
-    end = time.perf_counter()
-    c1 = _counters(llm)
-    delta = (c1[0] - c0[0], c1[1] - c0[1], [b - a for a, b in zip(c0[2], c1[2])])
-    return end - t, delta, toks, end - (t_first or end)
+            t_first = time.perf_counter_ns()
+    end = time.perf_counter_ns()
+    return toks, t_first or end, end
 
 
-def run_lamina(model: str, setup: str, dtype: str, prompts, new_tokens: int, repeats: int) -> dict:
+def role_breakdown(spans, start_ns: int, end_ns: int) -> list[dict]:
+    """Seconds per stage for every (role, track) of a timeline, spans clipped to
+    ``[start_ns, end_ns]``: compute ``dense``/``transfer``/``idle``, memory
+    ``attention``/``idle`` (see the module docstring)."""
+    kinds = {"compute": {"slice": "dense", "send": "transfer", "recv": "transfer"},
+             "memory": {"attend": "attention"}}
+    tracks: dict[tuple[str, int], dict[str, float]] = {}
+    for sp in spans:
+        kind = kinds.get(sp.role, {}).get(sp.name.split()[0])
+        lo, hi = max(sp.start_ns, start_ns), min(sp.end_ns, end_ns)
+        t = tracks.setdefault((sp.role, sp.track), {})
+        if kind is not None and hi > lo:
+            t[kind] = t.get(kind, 0.0) + (hi - lo) / 1e9
+    wall = (end_ns - start_ns) / 1e9
+    out = []
+    for (role, track), t in sorted(tracks.items()):
+        busy = sum(t.values())
+        out.append({"role": f"{role} {track}", **{k: round(v, 4) for k, v in t.items()},
+                    "idle": round(max(0.0, wall - busy), 4), "wall": round(wall, 4)})
+    return out
+
+
+def run_lamina(model: str, setup: str, dtype: str, prompts, new_tokens: int, repeats: int,
+               trace: Path | None) -> dict:
     n = len(prompts)
     longest = max(map(len, prompts)) + new_tokens + 1
     kv_gb = 2 * n * longest * 30 * 3 * 64 * 2 * 4 / 2**30 + 0.25  # generous (smollm2 f32 x2)
@@ -125,47 +138,25 @@ def run_lamina(model: str, setup: str, dtype: str, prompts, new_tokens: int, rep
     # an in-process role pins this process to its cores (lamina/device.py): undo it afterwards
     cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
-        return _run_lamina(model, setup, dtype, prompts, new_tokens, repeats, kw, kv_gb)
+        with LLM(model, dtype=dtype, max_num_seqs=n, max_num_batched_tokens=n * longest,
+                 kv_cache_gb=kv_gb, trace=str(trace) if trace else str(Path(os.devnull)),
+                 **kw) as llm:
+            _stream(llm, [p[:64] for p in prompts], 2)  # warm-up (threads, kernels, pools)
+            best = None
+            for _ in range(repeats):
+                llm.timeline.spans.clear()
+                toks, t0, t1 = _stream(llm, prompts, new_tokens + 1)
+                if best is None or t1 - t0 < best[2] - best[1]:
+                    best = (toks, t0, t1, role_breakdown(llm.timeline.spans, t0, t1))
+            if trace is None:
+                llm.timeline.spans.clear()  # nothing to save
     finally:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
-
-
-def _run_lamina(model, setup, dtype, prompts, new_tokens, repeats, kw, kv_gb) -> dict:
-    n = len(prompts)
-    longest = max(map(len, prompts)) + new_tokens + 1
-    with LLM(model, dtype=dtype, max_num_seqs=n, max_num_batched_tokens=n * longest,
-             kv_cache_gb=kv_gb, **kw) as llm:
-        _timed_generate(llm, prompts, 2)  # warm-up (allocations, threads, first long prefill)
-        best = None
-        for _ in range(repeats):
-            t1, d1, _, _ = _timed_generate(llm, prompts, 1)
-            tn, dn, toks, after = _timed_generate(llm, prompts, new_tokens + 1)
-            if best is None or tn - t1 < best[1] - best[0]:
-                best = (t1, tn, d1, dn, toks, after)
-    t1, tn, d1, dn, toks, after = best
-    # the prefill of ~n*prompt_len tokens can vary by more than the whole decode on a loaded
-    # machine: then t(N) - t(1) is meaningless (NaN); stream_tok_per_s (decode steps after
-    # every request's first token, same run) is the steadier number
-    dec = tn - t1 if tn > t1 else float("nan")
-    ex, wait = dn[0] - d1[0], dn[1] - d1[1]
-    att_nodes = [b - a for a, b in zip(d1[2], dn[2])]
-    parallel = kw["placement"] != "inproc"
-    att = max(att_nodes, default=0.0) if parallel else sum(att_nodes)
-    if parallel:  # replica is a process: wait = its dense work + its waits on the node
-        bd = {"dense_s": max(0.0, wait - att), "attention_s": att, "transfer_s": None,
-              "idle_s": max(0.0, dec - ex)}
-    else:
-        # in-process nodes attend in the engine's thread: their time is inside execute, and
-        # wait (blocked on a node) may be ~0, so take attention from the node's own counter
-        bd = {"dense_s": max(0.0, ex - max(wait, att)), "attention_s": att,
-              "transfer_s": max(0.0, wait - att), "idle_s": max(0.0, dec - ex)}
-    return {"setup": setup, "dtype": dtype, "t1_s": t1, "tN_s": tn, "decode_s": dec,
-            "tok_per_s": n * new_tokens / dec, "ms_per_step": 1e3 * dec / new_tokens,
-            "stream_tok_per_s": n * new_tokens / after if after > 0 else float("nan"),
-            "measured": {"engine_execute_s": ex, "engine_wait_s": wait,
-                         "node_attention_s": att_nodes},
-            "breakdown": bd, "tokens": toks}
+    toks, t0, t1, roles = best
+    dec = (t1 - t0) / 1e9
+    return {"setup": setup, "dtype": dtype, "decode_s": dec, "tok_per_s": n * new_tokens / dec,
+            "ms_per_step": 1e3 * dec / new_tokens, "roles": roles, "tokens": toks}
 
 
 def run_hf(model: str, dtype: str, prompts, new_tokens: int, repeats: int, threads: int) -> dict:
@@ -173,34 +164,27 @@ def run_hf(model: str, dtype: str, prompts, new_tokens: int, repeats: int, threa
     torch.set_num_threads(threads)
     try:
         loaded = load_model(model, dtype=getattr(torch, dtype))
-        m = loaded.model
         pad = loaded.tokenizer.pad_token_id if loaded.tokenizer else None
         pad = pad if pad is not None else 0
-        ids, mask = left_padded(prompts, pad)
-
-        def gen(k: int):
-            t = time.perf_counter()
-            with torch.inference_mode():
-                out = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=k,
-                                 min_new_tokens=k, pad_token_id=pad)
-            return time.perf_counter() - t, out[:, ids.shape[1]:].tolist()
-
-        gen(1)  # warm-up
+        HFStepper(loaded.model, [p[:64] for p in prompts], pad).step()  # warm-up
         best = None
         for _ in range(repeats):
-            t1, _ = gen(1)
-            tn, toks = gen(new_tokens + 1)
-            if best is None or tn - t1 < best[1] - best[0]:
-                best = (t1, tn, toks)
+            st = HFStepper(loaded.model, prompts, pad)  # prefill: not timed
+            cols = [st.tokens]
+            t = time.perf_counter()
+            for _ in range(new_tokens):
+                st.step()
+                cols.append(st.tokens)
+            dec = time.perf_counter() - t
+            if best is None or dec < best[0]:
+                best = (dec, torch.cat(cols, dim=1).tolist())
     finally:
         torch.set_num_threads(old)
-    t1, tn, toks = best
-    dec = tn - t1 if tn > t1 else float("nan")  # prefill noise larger than the decode
-    return {"setup": "hf", "dtype": dtype, "t1_s": t1, "tN_s": tn, "decode_s": dec,
+    dec, toks = best
+    return {"setup": "hf", "dtype": dtype, "decode_s": dec,
             "tok_per_s": len(prompts) * new_tokens / dec, "ms_per_step": 1e3 * dec / new_tokens,
-            "measured": {}, "breakdown": {"dense_s": dec, "attention_s": None,
-                                          "transfer_s": None, "idle_s": None},
-            "tokens": toks}
+            "roles": [{"role": f"hf ({threads} threads)", "dense": round(dec, 4), "idle": 0.0,
+                       "wall": round(dec, 4)}], "tokens": toks}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -224,7 +208,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1000, help="longest prompt, in tokens")
     ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed (N - 1)")
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    ap.add_argument("--repeats", type=int, default=1, help="best of this many t(N)-t(1) pairs")
+    ap.add_argument("--repeats", type=int, default=1, help="best of this many decode windows")
     ap.add_argument("--hf-threads", type=int, default=2)
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
     ap.add_argument("--quick", action="store_true", help="4 requests x ~256 tokens, 8 new tokens")
@@ -238,6 +222,8 @@ def main() -> None:
     lens = [len(p) for p in prompts]
     print(f"{len(prompts)} prompts, {min(lens)}-{max(lens)} tokens; {args.new_tokens} decode "
           f"steps timed", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for dtype in args.dtype:
         for setup in args.setups:
@@ -246,11 +232,11 @@ def main() -> None:
                 r = run_hf(args.model, dtype, prompts, args.new_tokens, args.repeats,
                            args.hf_threads)
             else:
-                r = run_lamina(args.model, setup, dtype, prompts, args.new_tokens, args.repeats)
+                trace = out / f"offload_{dtype}.trace.json" if setup == "lamina" else None
+                r = run_lamina(args.model, setup, dtype, prompts, args.new_tokens, args.repeats,
+                               trace)
             print(f"{dtype:9s} {setup:12s} {r['tok_per_s']:8.1f} tok/s  "
-                  f"({r['ms_per_step']:.0f} ms/step, t1 {r['t1_s']:.2f} s, "
-                  f"t{args.new_tokens + 1} {r['tN_s']:.2f} s; after-first-token "
-                  f"{r.get('stream_tok_per_s', float('nan')):.1f} tok/s; setup+run {time.perf_counter() - t:.0f} s)",
+                  f"({r['ms_per_step']:.0f} ms/step; setup+run {time.perf_counter() - t:.0f} s)",
                   flush=True)
             rows.append(r)
 
@@ -261,8 +247,6 @@ def main() -> None:
         ref = by.get((dtype, "homogeneous"))
         for setup in args.setups:
             s[f"{setup}_tok_per_s"] = by[(dtype, setup)]["tok_per_s"]
-            if "stream_tok_per_s" in by[(dtype, setup)]:
-                s[f"{setup}_stream_tok_per_s"] = by[(dtype, setup)]["stream_tok_per_s"]
             if ref and setup != "homogeneous":
                 s[f"agree_{setup}_vs_homogeneous"] = agreement(ref["tokens"],
                                                                by[(dtype, setup)]["tokens"])
@@ -276,8 +260,9 @@ def main() -> None:
 
     lines = [f"# Attention offloading on CPU ({args.model}, {len(prompts)} requests x "
              f"{min(lens)}-{max(lens)} prompt tokens, {args.new_tokens} decode steps)", "",
-             "tokens/s = requests x steps / (t(steps+1 new tokens) - t(1 new token)). Targets: "
-             "lamina/homogeneous >= 1.35, lamina/hf >= 1.2 (not asserted).", "",
+             "tokens/s = requests x steps / decode window (from every request's first token to "
+             "the last; prefill excluded). Targets: lamina/homogeneous >= 1.35, lamina/hf >= 1.2 "
+             "(not asserted).", "",
              "| dtype | homogeneous tok/s | lamina tok/s | hf tok/s | lamina / homog. | "
              "lamina / hf | greedy agree lamina | greedy agree hf |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -288,31 +273,25 @@ def main() -> None:
             f"{_f(s.get('lamina_over_homogeneous'))}x | {_f(s.get('lamina_over_hf'))}x | "
             f"{_f(s.get('agree_lamina_vs_homogeneous'), 3)} | "
             f"{_f(s.get('agree_hf_vs_homogeneous'), 3)} |")
-    lines += ["", "Decode tokens/s measured within the t(N) run from the moment every request "
-              "had its first token (prefill-free, steadier under load): " + "; ".join(
-                  f"{s['dtype']}: homogeneous {_f(s.get('homogeneous_stream_tok_per_s'), 1)}, "
-                  f"lamina {_f(s.get('lamina_stream_tok_per_s'), 1)}" for s in summary)]
-    lines += ["", "Per-stage breakdown of the decode time (seconds; see the docstring: for "
-              "lamina/procs 'dense' includes transfer, for hf everything is 'dense').", "",
-              "| dtype | setup | decode s | dense | attention | transfer | idle | "
-              "engine execute | engine wait | node attention |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["", "Per-stage breakdown of the decode window per role, ms per decode step "
+              "(from each role's timeline spans; compute: dense = slices + sampling, transfer = "
+              "send ATTENDs + merge replies (in-process: includes the attention), idle = waiting on "
+              "memory nodes, scheduling, Python; memory: attention = ATTEND kernels).", "",
+              "| dtype | setup | ms/step | role | dense | attention | transfer | idle |",
+              "|---|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
-        b, m = r["breakdown"], r["measured"]
-        node = ", ".join(f"{x:.2f}" for x in m.get("node_attention_s", [])) or "-"
-        transfer = b["transfer_s"]
-        tr = "in dense" if (transfer is None and r["setup"] == "lamina") else _f(transfer)
-        lines.append(f"| {r['dtype']} | {r['setup']} | {r['decode_s']:.2f} | {_f(b['dense_s'])} | "
-                     f"{_f(b['attention_s'])} | {tr} | {_f(b['idle_s'])} | "
-                     f"{_f(m.get('engine_execute_s'))} | {_f(m.get('engine_wait_s'))} | {node} |")
+        for role in r["roles"]:
+            per = {k: 1e3 * role[k] / args.new_tokens if k in role else None
+                   for k in ("dense", "attention", "transfer", "idle")}
+            lines.append(f"| {r['dtype']} | {r['setup']} | {r['ms_per_step']:.1f} | "
+                         f"{role['role']} | {_f(per['dense'], 1)} | {_f(per['attention'], 1)} | "
+                         f"{_f(per['transfer'], 1)} | {_f(per['idle'], 1)} |")
     md = "\n".join(lines) + "\n"
     meta = {"model": args.model, "requests": len(prompts), "prompt_lens": lens,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "quick": args.quick,
             "hf_threads": args.hf_threads, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "machine": platform.machine(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = "offload_cpu_quick" if args.quick else "offload_cpu"
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                   "rows": rows}, indent=1))

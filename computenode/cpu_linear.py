@@ -1,14 +1,23 @@
-"""A CPU rewrite of the slices' linear layers for decode-sized batches.
+"""The slices' linear layers on CPU for decode-sized batches.
 
-With few rows, MKL's float32 GEMM is several times faster computing ``W @ x^T`` (the weight as
-the tall left operand) than ``x @ W^T`` (what ``F.linear`` asks for); measured on this
-project's 2-core CPU machines, a 49152 x 576 LM head on 8 rows took 48 ms as ``F.linear`` and
-13 ms as ``W @ x^T``, a 1536 x 576 MLP projection 0.60 ms against 0.47 ms. Both compute the
-same dot products; results can differ by float rounding, like any change of GEMM kernel.
+A decode micro-batch has a few rows per linear layer, so every step streams all the weights
+and BLAS libraries, tuned for larger problems, run far below both memory bandwidth and FMA
+peak. Two paths, best first:
 
-:func:`use_skinny_linear` retargets every ``aten.linear`` node of a slice to
-:func:`skinny_linear`, which takes that path for at most ``SKINNY_ROWS`` rows on CPU and
-calls ``F.linear`` otherwise (prefill chunks, other devices).
+* **Packed C++ kernel** (``kernels/csrc/skinny_linear_cpu.cpp``): :func:`use_skinny_linear`
+  packs each constant weight once into 32-column panels (``ext.pack_linear_weight``) and the
+  node calls ``ext.skinny_linear``, which keeps a 12 x 32 block of outputs in registers and
+  reads each weight once per call. Measured on this project's 2-core AVX-512 machine, one
+  thread: 2-4x ``F.linear`` at 1-16 rows (``bench/kernels.py --linear``). Used when the
+  C++ extension is available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy
+  doubles the weights' memory on the replica.
+* **``W @ x^T``**: with few rows MKL's float32 GEMM is faster with the weight as the tall left
+  operand than ``x @ W^T`` (what ``F.linear`` asks for): a 49152 x 576 LM head on 8 rows took
+  48 ms as ``F.linear`` and 13 ms as ``W @ x^T``.
+
+Both apply to float32 inputs of at most ``SKINNY_ROWS`` rows on CPU; anything else (prefill
+chunks, other dtypes, other devices) is ``F.linear``. They compute the same dot products;
+results differ from ``F.linear`` by float rounding only, like any change of GEMM kernel.
 """
 from __future__ import annotations
 
@@ -16,29 +25,72 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from lamina.kernels import cpp_ext
+from lamina.kernels.dispatch import requested
+
 SKINNY_ROWS = 64
+_ext = None  # the C++ extension, once use_skinny_linear has packed a weight (saves a lookup)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  panels: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; ``x[..., in]``, ``weight[out, in]`` -> ``[..., out]``
-    (possibly non-contiguous)."""
+    (possibly non-contiguous). ``panels``: ``weight`` packed by ``ext.pack_linear_weight``
+    (then the C++ kernel runs it)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != torch.float32 or rows == 0:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
-    if bias is not None:
-        out = out + bias
+    x2 = x.reshape(rows, x.shape[-1])
+    if panels is not None:
+        out = (_ext or cpp_ext.load()).skinny_linear(x2, panels, weight.shape[0], bias)
+    else:
+        out = torch.mm(weight, x2.t()).t()
+        if bias is not None:
+            out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def use_skinny_linear(gm: fx.GraphModule) -> int:
+def packing_available() -> bool:
+    """Whether :func:`use_skinny_linear` packs weights for the C++ kernel (builds it on the
+    first call unless ``LAMINA_KERNELS`` names another backend)."""
+    return requested() in ("auto", "cpp") and cpp_ext.load() is not None
+
+
+def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    obj = gm
+    for part in node.target.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
     """Point ``gm``'s ``aten.linear`` nodes at :func:`skinny_linear` (in place, recompiled);
-    returns how many were changed."""
+    with ``pack`` (default: :func:`packing_available`) every float32 CPU weight that is a
+    constant of ``gm`` is packed once for the C++ kernel (a buffer ``_lamina_panels_<i>`` of
+    ``gm``). Returns how many nodes were changed."""
+    global _ext
+    if pack is None:
+        pack = packing_available()
+    ext = cpp_ext.load() if pack else None
+    _ext = ext or _ext
     n = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.linear.default:
-            node.target = skinny_linear
-            n += 1
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+            continue
+        node.target = skinny_linear
+        n += 1
+        weight = _constant(gm, node.args[1])
+        if ext is None or weight is None or weight.dtype != torch.float32 \
+                or weight.device.type != "cpu" or weight.dim() != 2:
+            continue
+        name = f"_lamina_panels_{n}"
+        gm.register_buffer(name, ext.pack_linear_weight(weight.detach()), persistent=False)
+        with gm.graph.inserting_before(node):
+            panels = gm.graph.get_attr(name)
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        node.args, node.kwargs = (node.args[0], node.args[1], bias, panels), {}
     if n:
         gm.recompile()
     return n

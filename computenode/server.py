@@ -43,7 +43,7 @@ from lamina.splitter.slices import ATTN_OUT
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
-from lamina.transport.endpoint import Listening, connect, listen, set_spin_us
+from lamina.transport.endpoint import Listening, connect, listen
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendResult, PrepareMsg, SamplingParams, StepPlan
 
@@ -65,7 +65,6 @@ class ReplicaConfig:
     trace: bool = False  # record timeline spans and send them with TOKENS
     peer_base: int = 0  # this instance's replica i is peer ``peer_base + i`` on memory nodes
     cores: list[int] | None = None  # CPU cores owned: pinned, one thread each (None: num_threads)
-    spin: bool = False  # it owns its cores alone: its shm receivers never sleep
 
 
 @dataclass
@@ -90,8 +89,6 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
     load answers every control message with the error."""
     cfg = ReplicaConfig(**config)
     own_cores(cfg.cores, None if cfg.cores else cfg.num_threads)
-    if cfg.spin:
-        set_spin_us(float("inf"))
     ctrl = connect(endpoint)
     try:
         from lamina.models import load_model

@@ -1,4 +1,7 @@
-"""The C++ CPU paged-attention kernel (``kernels/csrc/paged_attention_cpu.cpp``): build, cache, call.
+"""The C++ CPU kernels: build, cache, call. One extension holds the paged-attention kernel
+(``kernels/csrc/paged_attention_cpu.cpp``) and the decode-sized linear layer
+(``kernels/csrc/skinny_linear_cpu.cpp``: ``pack_linear_weight`` / ``skinny_linear``, used by
+:mod:`lamina.computenode.cpu_linear`); ``bindings.cpp`` exposes both (without the GIL).
 
 :func:`paged_attention_cpp` has the contract of :func:`lamina.kernels.reference.paged_attention_ref`
 (``q[T,H,D]``, ``k_pool/v_pool[S,Hkv,D]``, CSR ``qo_indptr[R+1]``/``kv_indptr[R+1]``/
@@ -36,7 +39,10 @@ import torch
 from lamina.kernels.reference import check_shapes
 from lamina.types import AttentionSpec
 
-SOURCES = (Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp",)
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp",
+                                          "bindings.cpp"))
+HEADERS = (_CSRC / "simd.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
@@ -88,7 +94,7 @@ def extra_cflags() -> tuple[str, ...]:
 def build_key(cflags: tuple[str, ...], cxx: str) -> str:
     """Hex digest over sources, flags, CPU, compiler, torch and Python versions."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     for part in (cflags, LDFLAGS, _cpu_fingerprint(), cxx, _compiler_version(cxx),
                  torch.__version__, sys.version, platform.machine()):
@@ -136,8 +142,8 @@ def load(extra: tuple[str, ...] | None = None, verbose: bool = False) -> ModuleT
             _state["error"][extra] = _cause(exc)
         _state["tried"][extra] = mod  # before warning: a warnings filter may raise
     if mod is None:
-        warnings.warn(f"lamina: the C++ CPU attention kernel could not be built "
-                      f"({_state['error'][extra]}); using the torch path instead "
+        warnings.warn(f"lamina: the C++ CPU kernels could not be built "
+                      f"({_state['error'][extra]}); using the torch paths instead "
                       f"(set LAMINA_KERNELS=torch to skip the build)", RuntimeWarning,
                       stacklevel=2)
     return mod

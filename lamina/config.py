@@ -59,8 +59,8 @@ class InstanceConfig:
     it pins itself to them and runs that many threads), ``cuda:N`` (:mod:`lamina.device`).
     ``transport`` picks the links between roles out of process (``auto``: shm on one host,
     tcp across hosts); ``num_threads`` is the torch thread count of a role that owns no cores;
-    ``spin``: a role alone on its cores (one instance per host) polls its shm links instead of
-    sleeping on them."""
+    ``spin``: a memory node alone on its cores (one instance per host) polls its replicas' shm
+    links instead of sleeping on them (replicas never poll: their cores run the slices)."""
 
     memory: int = 1
     placement: str = "inproc"

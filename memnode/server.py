@@ -29,7 +29,7 @@ from lamina.errors import NodeFailure
 from lamina.memnode.node import MemoryNode
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
-from lamina.transport.endpoint import Listening, connect, listen, set_spin_us
+from lamina.transport.endpoint import Listening, connect, listen
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttentionSpec
 
@@ -76,8 +76,9 @@ class NodeServer:
     """A memory node served on its primary channel and on the peer channels it opens (see the
     module docstring)."""
 
-    def __init__(self, node: MemoryNode):
+    def __init__(self, node: MemoryNode, spin: bool = False):
         self.node = node
+        self.spin_us = float("inf") if spin else None  # on peer (data) links
         self.lock = threading.Lock()
         self.peers: dict[int, Listening] = {}
 
@@ -100,7 +101,8 @@ class NodeServer:
     def _open(self, msg: Message) -> Message:
         try:
             peer = int(msg.meta["peer"])
-            lst = listen(msg.meta.get("kind", "shm"), msg.meta.get("host", "127.0.0.1"))
+            lst = listen(msg.meta.get("kind", "shm"), msg.meta.get("host", "127.0.0.1"),
+                         spin_us=self.spin_us)
         except (KeyError, TypeError, ValueError) as e:
             return codec.to_message(ValueError(f"OPEN needs an int 'peer' and a channel kind: {e}"))
         with self.lock:
@@ -147,7 +149,7 @@ def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: t
     """Everything a memory-node server needs, as plain data (a process argument): ``device``
     a torch device string; ``cores`` the CPU cores the node owns (it pins itself and runs one
     thread per core; None: ``num_threads`` threads, unpinned); ``spin``: it owns them alone,
-    so its shm receivers never sleep."""
+    so its receivers on replica (data) links never sleep; the control link always may."""
     return {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "num_threads": num_threads, "cores": cores, "spin": spin}
@@ -164,7 +166,5 @@ def serve_node(endpoint: dict[str, Any], config: dict[str, Any]) -> None:
     """A role's entry point (a process or an actor thread): join the primary channel at
     ``endpoint``, build the node from ``config``, serve until SHUTDOWN or the engine is gone."""
     own_cores(config.get("cores"), None if config.get("cores") else config.get("num_threads", 1))
-    if config.get("spin"):
-        set_spin_us(float("inf"))
-    ch = connect(endpoint)
-    NodeServer(build_node(config)).serve(ch)
+    ch = connect(endpoint)  # control: sleeps when idle
+    NodeServer(build_node(config), spin=bool(config.get("spin"))).serve(ch)

@@ -22,7 +22,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/python.h>
 
 #include <algorithm>
 #include <atomic>
@@ -31,12 +30,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define LAMINA_AVX512 1
-#include <immintrin.h>
-#else
-#define LAMINA_AVX512 0
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -57,11 +51,7 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 #if LAMINA_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // exact: bfloat16 is the top half of float32
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using lamina_simd::load16;
 
 // One vector whose lane i is the sum of the lanes of a[i] (a 16x16 transpose-and-add).
 inline __m512 reduce16(const __m512* a) {
@@ -784,12 +774,4 @@ std::string simd_features() {
   f += " openmp";
 #endif
   return f;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lamina C++ CPU paged attention (see lamina/kernels/cpp_ext.py)";
-  m.def("paged_attention", &paged_attention,
-        "paged_attention(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, "
-        "kv_start_pos, scale, window, softcap) -> (o, lse); window <= 0 / softcap <= 0: none");
-  m.def("simd_features", &simd_features, "SIMD paths compiled in");
 }

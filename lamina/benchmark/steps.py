@@ -12,6 +12,8 @@ Both own only their batch's state; ``model`` and ``llm`` stay the caller's.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from lamina.benchmark.measure import left_padded
@@ -28,13 +30,16 @@ class HFStepper:
         dev = model.device
         self.model, self.mask = model, mask.to(dev)
         self.cache = DynamicCache()
+        # newer transformers renamed ``past_key_values`` to ``cache`` (and warn on the old name)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.position = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.tokens = self._forward(ids.to(dev), self.position)
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=position,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     def step(self) -> None:

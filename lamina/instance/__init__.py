@@ -147,7 +147,8 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         closers: list[Callable[[], None]] = []
     else:
         from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
-        # a role alone on its cores spins instead of sleeping (one instance per host only)
+        # a memory node alone on its cores polls its replicas' links instead of sleeping
+        # (one instance per host only); a replica's receivers share its cores with its slices
         spin = (exclusive(replica_devs + node_devs) if config.instances == 1 and icfg.spin
                 else [False] * (len(replica_devs) + len(node_devs)))
         nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
@@ -160,7 +161,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         try:
             worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
                                     num_slices=len(info.split.slices), transport=icfg.transport,
-                                    timeline=timeline, spin=spin[:len(replica_devs)])
+                                    timeline=timeline)
         except BaseException:
             closers[0]()
             raise

@@ -119,8 +119,7 @@ class RemoteReplicas(WorkerClient):
 
     def __init__(self, launcher: Launcher, replica: ReplicaConfig, nodes: list[RemoteNode],
                  config: PipelineConfig, devices: list[Device], *, num_slices: int,
-                 transport: str = "auto", timeline: Timeline | None = None,
-                 spin: list[bool] | None = None):
+                 transport: str = "auto", timeline: Timeline | None = None):
         self.config = config
         self.micro_batches = config.micro_batches
         self.nodes = list(nodes)  # own pool's nodes, then attached (borrowed) ones
@@ -141,8 +140,7 @@ class RemoteReplicas(WorkerClient):
                                            "attn_parts": config.attn_parts,
                                            "trace": timeline is not None,
                                            "device": d.torch,
-                                           "cores": list(d.cores) if d.cores else None,
-                                           "spin": bool(spin and spin[i])}))
+                                           "cores": list(d.cores) if d.cores else None}))
                    for i, d in enumerate(devices)]
         self.procs, self.channels = start_roles(launcher, serve_replica, configs, role="compute",
                                                 device=replica.device, transport=transport)

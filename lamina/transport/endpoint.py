@@ -17,15 +17,7 @@ from lamina.transport.base import START_TIMEOUT_S, Channel
 
 KINDS = ("shm", "tcp")
 RING_BYTES = 8 << 20  # data bytes per direction of a shm channel
-SPIN_US = 20.0  # a receiver spins this long before it blocks on its doorbell
-_spin_us = SPIN_US  # this process's choice (set_spin_us)
-
-
-def set_spin_us(us: float) -> None:
-    """How long this process's shm receivers spin before they block: ``inf`` in a role that owns
-    its cores alone (it never sleeps), the short default otherwise."""
-    global _spin_us
-    _spin_us = float(us)
+SPIN_US = 20.0  # a receiver spins this long before it blocks on its doorbell (default)
 
 
 class Listening:
@@ -62,7 +54,7 @@ def listen(kind: str = "shm", host: str = "127.0.0.1", *,
     placement spans hosts)."""
     if kind == "shm":
         from lamina.transport.shm import ShmChannel
-        ch = ShmChannel.create(capacity=RING_BYTES, spin_us=_spin_us if spin_us is None else spin_us)
+        ch = ShmChannel.create(capacity=RING_BYTES, spin_us=SPIN_US if spin_us is None else spin_us)
         return Listening({"kind": "shm", "spec": ch.spec.to_dict()}, channel=ch)
     if kind == "tcp":
         from lamina.transport.tcp import TcpListener
@@ -78,7 +70,7 @@ def connect(endpoint: dict[str, Any], *, spin_us: float | None = None) -> Channe
     if kind == "shm":
         from lamina.transport.shm import ShmChannel
         return ShmChannel.attach(endpoint["spec"],
-                                 spin_us=_spin_us if spin_us is None else spin_us)
+                                 spin_us=SPIN_US if spin_us is None else spin_us)
     if kind == "tcp":
         from lamina.transport.tcp import TcpChannel
         return TcpChannel.connect(endpoint["host"], int(endpoint["port"]))

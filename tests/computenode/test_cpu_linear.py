@@ -43,3 +43,41 @@ def test_rewrite_keeps_split_outputs():
     after = sm.run_slice(0, {"input_ids": ids, "position_ids": pos})
     for k, v in before[0].items():
         torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weights_take_the_cpp_kernel(monkeypatch):
+    from lamina.computenode import cpu_linear
+    from lamina.splitter import split_model
+    if not cpu_linear.packing_available():
+        pytest.skip("C++ kernels not built")
+    sm = split_model(tiny_model("llama"))
+    ids, pos = torch.tensor([[5, 9, 33, 2]]), torch.arange(4)[None]
+    before = sm.run_slice(0, {"input_ids": ids, "position_ids": pos})
+    assert sum(use_skinny_linear(gm) for gm in sm.slices) > 0
+    packed = [name for gm in sm.slices for name, _ in gm.named_buffers()
+              if name.startswith("_lamina_panels_")]
+    assert packed
+    calls = []
+    real = cpu_linear.cpp_ext.load()
+
+    class Spy:
+        def skinny_linear(self, *a):
+            calls.append(a[2])
+            return real.skinny_linear(*a)
+
+    monkeypatch.setattr(cpu_linear, "_ext", Spy())
+    after = sm.run_slice(0, {"input_ids": ids, "position_ids": pos})
+    assert calls  # the packed path ran
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_kernels_pack_nothing(monkeypatch):
+    from lamina.computenode import cpu_linear
+    from lamina.splitter import split_model
+    monkeypatch.setenv("LAMINA_KERNELS", "torch")
+    assert not cpu_linear.packing_available()
+    sm = split_model(tiny_model("llama"))
+    assert sum(use_skinny_linear(gm) for gm in sm.slices) > 0
+    assert not any(name.startswith("_lamina_panels_")
+                   for gm in sm.slices for name, _ in gm.named_buffers())

@@ -101,3 +101,24 @@ def test_step_message_carries_uniforms_over_the_wire():
     bad = step_message(plan, [route], [9], params, torch.tensor([0.1, 0.2]))
     with pytest.raises(WireError, match="one value per sample row"):
         step_uniforms(bad)
+
+
+@pytest.mark.parametrize("spin", [False, True])
+def test_a_spinning_node_polls_only_its_peer_links(spin):
+    """A node alone on its core polls its replicas' (data) links forever; its control link
+    and every link of a node that shares its core spin briefly, then sleep."""
+    engine_end, node_end = shm_pair(capacity=1 << 16)
+    server = NodeServer(MemoryNode([SPEC], 64, slab_size=4), spin=spin)
+    thread = threading.Thread(target=server.serve, args=(node_end,), daemon=True)
+    thread.start()
+    client = RemoteNode(engine_end, None, "memory node 0")
+    try:
+        peer = connect(client.open_peer(0, "shm"))
+        node_side = server.peers[0].channel()
+        assert (node_side._spin_s == float("inf")) is spin
+        assert node_end._spin_s != float("inf")  # control
+        peer.close()
+    finally:
+        client.close()
+        thread.join(5)
+    assert not thread.is_alive()

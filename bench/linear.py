@@ -1,0 +1,104 @@
+"""Decode-sized linear layers on CPU: the packed C++ kernel against torch, in one run.
+
+For M rows (a micro-batch's tokens) and the linear layers of SmolLM2-135M (q/o 576x576,
+k/v 192x576, gate/up 1536x576, down 576x1536, 30 layers, and the 49152x576 LM head), times
+one pass over *all* the weights (as a decode step does: they do not fit in cache) with
+
+* ``F.linear``: what the exported graph calls (MKL/oneDNN);
+* ``W @ x^T``: the skinny fallback of :mod:`lamina.computenode.cpu_linear`;
+* ``cpp``: ``ext.skinny_linear`` on weights packed by ``ext.pack_linear_weight``;
+
+and a sequential read of the same number of bytes (``tensor.sum``) as the bandwidth baseline.
+Prints GB/s of weights streamed and GFLOP/s, saves bench/results/linear_cpu.{json,md}.
+
+    python bench/linear.py                 # 1 thread, M = 1 2 4 8 16 32 64
+    python bench/linear.py --threads 2 --rows 8 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from lamina.kernels import cpp_ext  # noqa: E402
+
+HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
+SHAPES = ([(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN),
+           (INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)])
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5, help="best of this many passes")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ext = cpp_ext.load()
+    if ext is None:
+        raise SystemExit(f"the C++ kernels are unavailable: {cpp_ext.build_error()}")
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) / k ** 0.5 for n, k in SHAPES]
+    packed = [ext.pack_linear_weight(w) for w in weights]
+    nbytes = sum(w.numel() * 4 for w in weights)
+    flat = torch.randn(nbytes // 4, generator=g)
+    copy_s = _time(lambda: flat.sum(), args.reps)
+    rows = []
+    print(f"{len(SHAPES)} weights, {nbytes / 1e6:.0f} MB; sequential read {nbytes / copy_s / 1e9:.1f}"
+          f" GB/s; {args.threads} thread(s)")
+    print(f"{'M':>3} {'F.linear ms':>12} {'W@x^T ms':>9} {'cpp ms':>7} {'cpp GB/s':>9} "
+          f"{'cpp GFLOP/s':>12} {'cpp/F.linear':>13}")
+    for m in args.rows:
+        xs = {k: torch.randn(m, k, generator=g) for k in (HIDDEN, INTER)}
+        t = {"linear": _time(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], args.reps),
+             "wxt": _time(lambda: [torch.mm(w, xs[w.shape[1]].t()) for w in weights], args.reps),
+             "cpp": _time(lambda: [ext.skinny_linear(xs[w.shape[1]], p, w.shape[0], None)
+                                   for w, p in zip(weights, packed)], args.reps)}
+        flops = sum(2 * m * n * k for n, k in SHAPES)
+        row = {"rows": m, **{f"{k}_ms": 1e3 * v for k, v in t.items()},
+               "cpp_gb_s": nbytes / t["cpp"] / 1e9, "cpp_gflop_s": flops / t["cpp"] / 1e9,
+               "copy_gb_s": nbytes / copy_s / 1e9, "speedup_vs_linear": t["linear"] / t["cpp"]}
+        rows.append(row)
+        print(f"{m:3d} {row['linear_ms']:12.1f} {row['wxt_ms']:9.1f} {row['cpp_ms']:7.1f} "
+              f"{row['cpp_gb_s']:9.1f} {row['cpp_gflop_s']:12.0f} {row['speedup_vs_linear']:12.2f}x",
+              flush=True)
+    meta = {"threads": args.threads, "weights_mb": nbytes / 1e6, "copy_gb_s": nbytes / copy_s / 1e9,
+            "simd": ext.simd_features(), "torch": torch.__version__,
+            "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    lines = [f"# Decode-sized linear layers (SmolLM2 weights, {nbytes / 1e6:.0f} MB per pass, "
+             f"{args.threads} thread(s))", "",
+             f"Sequential read of the same bytes: {meta['copy_gb_s']:.1f} GB/s. Best of "
+             f"{args.reps} passes.", "",
+             "| rows | F.linear ms | W @ x^T ms | cpp ms | cpp GB/s | cpp GFLOP/s | cpp vs F.linear |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['rows']} | {r['linear_ms']:.1f} | {r['wxt_ms']:.1f} | {r['cpp_ms']:.1f} | "
+              f"{r['cpp_gb_s']:.1f} | {r['cpp_gflop_s']:.0f} | {r['speedup_vs_linear']:.2f}x |"
+              for r in rows]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "linear_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "linear_cpu.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+// Python bindings of lamina's C++ CPU kernels (loaded by lamina/kernels/cpp_ext.py).
+#include <ATen/ATen.h>
+#include <torch/python.h>
+
+#include <string>
+#include <tuple>
+
+// paged_attention_cpu.cpp
+std::tuple<at::Tensor, at::Tensor> paged_attention(
+    const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+    const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+    const at::Tensor& q_positions, const at::Tensor& kv_start_pos, double scale, int64_t window,
+    double softcap);
+std::string simd_features();
+// skinny_linear_cpu.cpp
+at::Tensor pack_linear_weight(const at::Tensor& w);
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                         const c10::optional<at::Tensor>& bias);
+
+namespace py = pybind11;
+
+// The kernels touch no Python object: they run without the GIL, so the role's receiver
+// threads can take messages in while its main thread computes.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.doc() = "lamina C++ CPU kernels (see lamina/kernels/cpp_ext.py)";
+  m.def("paged_attention", &paged_attention,
+        "paged_attention(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, "
+        "kv_start_pos, scale, window, softcap) -> (o, lse); window <= 0 / softcap <= 0: none",
+        nogil);
+  m.def("simd_features", &simd_features, "SIMD paths compiled in");
+  m.def("pack_linear_weight", &pack_linear_weight,
+        "pack_linear_weight(w[N,K] float32|bfloat16) -> panels[ceil(N/32), K, 32]", nogil);
+  m.def("skinny_linear", &skinny_linear,
+        "skinny_linear(x[M,K] float32, panels, N, bias[N]|None) -> y[M,N] float32", nogil);
+}
