@@ -13,16 +13,18 @@ Computation is float32. Threads: torch's intra-op pool (``torch.set_num_threads`
 
 Build: :func:`load` compiles the source with ``torch.utils.cpp_extension.load`` on first use
 (``-O3 -march=native -fopenmp``; ~30 s) into ``$LAMINA_CACHE/torch_extensions/<key>``
-(``LAMINA_CACHE`` defaults to ``~/.cache/lamina``). ``<key>`` hashes the source, the flags, the
-CPU (model and feature flags from ``/proc/cpuinfo``), the compiler, torch and Python, so a cache
-never serves a binary built for another CPU or toolchain; later processes just load it
-(concurrent builders wait on torch's lock file in that folder). ``LAMINA_CPP_CFLAGS`` adds
-flags (e.g. ``-mno-avx512f`` to try the portable path). When the build fails (no compiler, no
-ninja, a compile error) :func:`load` emits one ``RuntimeWarning`` naming the cause and returns
+(``LAMINA_CACHE`` defaults to ``~/.cache/lamina``). ``<key>`` hashes the sources and their
+folder, the flags, the CPU (model and feature flags from ``/proc/cpuinfo``), the compiler, torch
+and Python, so a cache never serves a binary built for another CPU or toolchain; later
+processes just load it (concurrent builders take turns on an flock in that folder, which a
+builder that dies does not leave behind). ``LAMINA_CPP_CFLAGS`` adds flags (e.g.
+``-mno-avx512f`` to try the portable path). When the build fails (no compiler, no ninja, a
+compile error) :func:`load` emits one ``RuntimeWarning`` naming the cause and returns
 ``None``; :func:`build_error` keeps the cause, and the dispatcher uses the torch path.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -92,8 +94,10 @@ def extra_cflags() -> tuple[str, ...]:
 
 
 def build_key(cflags: tuple[str, ...], cxx: str) -> str:
-    """Hex digest over sources, flags, CPU, compiler, torch and Python versions."""
-    h = hashlib.sha256()
+    """Hex digest over sources (their content and folder: ninja's build file names the paths,
+    so two checkouts sharing one build folder would rebuild each other's), flags, CPU,
+    compiler, torch and Python versions."""
+    h = hashlib.sha256(str(_CSRC).encode())
     for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     for part in (cflags, LDFLAGS, _cpu_fingerprint(), cxx, _compiler_version(cxx),
@@ -119,10 +123,16 @@ def _build(extra: tuple[str, ...], verbose: bool) -> ModuleType:
     key = build_key(cflags, cxx)
     build_dir = cache_root() / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=f"lamina_paged_attention_{key}",
-                              sources=[str(s) for s in SOURCES], extra_cflags=list(cflags),
-                              extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
-                              verbose=verbose)
+    # torch's own lock (a ``lock`` file) stays behind when its builder is killed, and every
+    # later load would wait on it forever. Builders here first take an flock, which the kernel
+    # drops with a dead process; whoever holds it may remove a leftover ``lock``.
+    with open(build_dir / "lamina.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(name=f"lamina_paged_attention_{key}",
+                                  sources=[str(s) for s in SOURCES], extra_cflags=list(cflags),
+                                  extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
+                                  verbose=verbose)
 
 
 def load(extra: tuple[str, ...] | None = None, verbose: bool = False) -> ModuleType | None:
