@@ -8,15 +8,16 @@ peak. Two paths, best first:
   packs each constant weight once into 32-column panels (``ext.pack_linear_weight``) and the
   node calls ``ext.skinny_linear``, which keeps a 12 x 32 block of outputs in registers and
   reads each weight once per call. Measured on this project's 2-core AVX-512 machine, one
-  thread: 2-4x ``F.linear`` at 1-16 rows (``bench/kernels.py --linear``). Used when the
-  C++ extension is available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy
-  doubles the weights' memory on the replica.
+  thread: 2-4x ``F.linear`` at 1-16 rows (``bench/linear.py``). Float32 and bfloat16 weights
+  (bfloat16 panels are half the bytes, widened in registers). Used when the C++ extension is
+  available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy doubles the
+  weights' memory on the replica.
 * **``W @ x^T``**: with few rows MKL's float32 GEMM is faster with the weight as the tall left
   operand than ``x @ W^T`` (what ``F.linear`` asks for): a 49152 x 576 LM head on 8 rows took
   48 ms as ``F.linear`` and 13 ms as ``W @ x^T``.
 
-Both apply to float32 inputs of at most ``SKINNY_ROWS`` rows on CPU; anything else (prefill
-chunks, other dtypes, other devices) is ``F.linear``. They compute the same dot products;
+Both apply to inputs of at most ``SKINNY_ROWS`` rows on CPU (``W @ x^T`` to float32 only);
+anything else (prefill chunks, other dtypes, other devices) is ``F.linear``. They compute the same dot products;
 results differ from ``F.linear`` by float rounding only, like any change of GEMM kernel.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lamina.kernels import cpp_ext
 from lamina.kernels.dispatch import requested
 
 SKINNY_ROWS = 64
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _ext = None  # the C++ extension, once use_skinny_linear has packed a weight (saves a lookup)
 
 
@@ -36,13 +38,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   panels: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; ``x[..., in]``, ``weight[out, in]`` -> ``[..., out]``
     (possibly non-contiguous). ``panels``: ``weight`` packed by ``ext.pack_linear_weight``
-    (then the C++ kernel runs it)."""
+    (then the C++ kernel runs it, in float32 math; a bfloat16 layer gets its float32 result
+    rounded to bfloat16, as ``F.linear`` rounds its float32 accumulators)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != torch.float32 or rows == 0:
+    if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0 or (
+            x.dtype != torch.float32 and (panels is None or x.dtype != weight.dtype)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
-    if panels is not None:
-        out = (_ext or cpp_ext.load()).skinny_linear(x2, panels, weight.shape[0], bias)
+    if panels is not None:  # float32 math; bfloat16 in and out when the layer is bfloat16
+        out = (_ext or cpp_ext.load()).skinny_linear(
+            x2.float(), panels, weight.shape[0], None if bias is None else bias.float())
+        out = out.to(x.dtype)
     else:
         out = torch.mm(weight, x2.t()).t()
         if bias is not None:
@@ -67,8 +73,8 @@ def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:
 
 def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
     """Point ``gm``'s ``aten.linear`` nodes at :func:`skinny_linear` (in place, recompiled);
-    with ``pack`` (default: :func:`packing_available`) every float32 CPU weight that is a
-    constant of ``gm`` is packed once for the C++ kernel (a buffer ``_lamina_panels_<i>`` of
+    with ``pack`` (default: :func:`packing_available`) every float32 or bfloat16 CPU weight
+    that is a constant of ``gm`` is packed once for the C++ kernel (a buffer ``_lamina_panels_<i>`` of
     ``gm``). Returns how many nodes were changed."""
     global _ext
     if pack is None:
@@ -82,7 +88,7 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
         node.target = skinny_linear
         n += 1
         weight = _constant(gm, node.args[1])
-        if ext is None or weight is None or weight.dtype != torch.float32 \
+        if ext is None or weight is None or weight.dtype not in PACKED_DTYPES \
                 or weight.device.type != "cpu" or weight.dim() != 2:
             continue
         name = f"_lamina_panels_{n}"

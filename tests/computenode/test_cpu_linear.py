@@ -25,7 +25,7 @@ def test_skinny_linear_matches_linear(shape, bias):
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_takes_the_plain_path():
+def test_bfloat16_without_panels_takes_the_plain_path():
     x, w = torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()
     assert torch.equal(skinny_linear(x, w), F.linear(x, w))
 
@@ -81,3 +81,18 @@ def test_torch_kernels_pack_nothing(monkeypatch):
     assert sum(use_skinny_linear(gm) for gm in sm.slices) > 0
     assert not any(name.startswith("_lamina_panels_")
                    for gm in sm.slices for name, _ in gm.named_buffers())
+
+
+def test_bfloat16_weights_pack_and_round_like_linear():
+    from lamina.computenode import cpu_linear
+    from lamina.kernels import cpp_ext
+    if not cpu_linear.packing_available():
+        pytest.skip("C++ kernels not built")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    b = torch.randn(40, generator=g).bfloat16()
+    got = skinny_linear(x, w, b, cpp_ext.load().pack_linear_weight(w))
+    want = F.linear(x.double(), w.double(), b.double())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)  # bf16 rounding
