@@ -31,6 +31,10 @@ from lamina.kernels.dispatch import requested
 
 SKINNY_ROWS = 64
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# bfloat16 layers above this many rows: oneDNN's bfloat16 dot products beat the packed
+# kernel's float32 math (measured on SmolLM2's weights: 1 row 26 vs 54 ms per pass, 16 rows
+# 71 vs 75, 32 rows 117 vs 95)
+BF16_PACKED_ROWS = 16
 _ext = None  # the C++ extension, once use_skinny_linear has packed a weight (saves a lookup)
 
 
@@ -42,7 +46,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rounded to bfloat16, as ``F.linear`` rounds its float32 accumulators)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0 or (
-            x.dtype != torch.float32 and (panels is None or x.dtype != weight.dtype)):
+            x.dtype != torch.float32 and (panels is None or x.dtype != weight.dtype
+                                          or rows > BF16_PACKED_ROWS)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     if panels is not None:  # float32 math; bfloat16 in and out when the layer is bfloat16
