@@ -67,6 +67,19 @@ def packing_available() -> bool:
     return requested() in ("auto", "cpp") and cpp_ext.load() is not None
 
 
+def free_memory() -> int:
+    """Bytes of physical memory the host has available now (``MemAvailable``; unbounded when
+    it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
 def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return None
@@ -79,22 +92,27 @@ def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:
 def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
     """Point ``gm``'s ``aten.linear`` nodes at :func:`skinny_linear` (in place, recompiled);
     with ``pack`` (default: :func:`packing_available`) every float32 or bfloat16 CPU weight
-    that is a constant of ``gm`` is packed once for the C++ kernel (a buffer ``_lamina_panels_<i>`` of
-    ``gm``). Returns how many nodes were changed."""
+    that is a constant of ``gm`` is packed once for the C++ kernel (a buffer
+    ``_lamina_panels_<i>`` of ``gm``), unless twice the packed bytes exceed the host's
+    available memory (then ``gm`` keeps the unpacked paths). Returns how many nodes were
+    changed."""
     global _ext
     if pack is None:
         pack = packing_available()
     ext = cpp_ext.load() if pack else None
     _ext = ext or _ext
+    nodes = [node for node in gm.graph.nodes if node.op == "call_function"
+             and node.target is torch.ops.aten.linear.default]
+    weights = [_constant(gm, node.args[1]) for node in nodes]
+    weights = [w if w is not None and w.dtype in PACKED_DTYPES and w.device.type == "cpu"
+               and w.dim() == 2 else None for w in weights]
+    if ext is not None and 2 * sum(w.nbytes for w in weights if w is not None) > free_memory():
+        ext = None  # the packed copies would not fit beside what the host still has free
     n = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
-            continue
+    for node, weight in zip(nodes, weights):
         node.target = skinny_linear
         n += 1
-        weight = _constant(gm, node.args[1])
-        if ext is None or weight is None or weight.dtype not in PACKED_DTYPES \
-                or weight.device.type != "cpu" or weight.dim() != 2:
+        if ext is None or weight is None:
             continue
         name = f"_lamina_panels_{n}"
         gm.register_buffer(name, ext.pack_linear_weight(weight.detach()), persistent=False)

@@ -96,3 +96,20 @@ def test_bfloat16_weights_pack_and_round_like_linear():
     want = F.linear(x.double(), w.double(), b.double())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)  # bf16 rounding
+
+
+def test_no_packing_when_memory_is_short(monkeypatch):
+    from lamina.computenode import cpu_linear
+    from lamina.splitter import split_model
+    if not cpu_linear.packing_available():
+        pytest.skip("C++ kernels not built")
+    monkeypatch.setattr(cpu_linear, "free_memory", lambda: 1024)
+    sm = split_model(tiny_model("llama"))
+    assert sum(use_skinny_linear(gm) for gm in sm.slices) > 0
+    assert not any(name.startswith("_lamina_panels_")
+                   for gm in sm.slices for name, _ in gm.named_buffers())
+
+
+def test_free_memory_reads_the_host():
+    from lamina.computenode.cpu_linear import free_memory
+    assert 0 < free_memory() < 1 << 62
