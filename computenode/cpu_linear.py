@@ -17,8 +17,9 @@ peak. Two paths, best first:
   48 ms as ``F.linear`` and 13 ms as ``W @ x^T``.
 
 Both apply to inputs of at most ``SKINNY_ROWS`` rows on CPU (``W @ x^T`` to float32 only);
-anything else (prefill chunks, other dtypes, other devices) is ``F.linear``. They compute the same dot products;
-results differ from ``F.linear`` by float rounding only, like any change of GEMM kernel.
+anything else (prefill chunks, other dtypes, other devices) is ``F.linear``. They compute the
+same dot products; results differ from ``F.linear`` by float rounding only, like any change of
+GEMM kernel.
 """
 from __future__ import annotations
 

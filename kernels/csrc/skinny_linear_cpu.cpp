@@ -54,7 +54,10 @@ inline void block(const float* x, int64_t ldx, const W* panel, int64_t K, float*
   const __mmask16 hi = ncols >= 32 ? 0xFFFF
                        : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias != nullptr) b0 = _mm512_maskz_loadu_ps(lo, bias), b1 = _mm512_maskz_loadu_ps(hi, bias + 16);
+  if (bias != nullptr) {
+    b0 = _mm512_maskz_loadu_ps(lo, bias);
+    b1 = _mm512_maskz_loadu_ps(hi, bias + 16);
+  }
   for (int m = 0; m < MR; ++m) {
     _mm512_mask_storeu_ps(y + m * ldy, lo, _mm512_add_ps(acc[m][0], b0));
     _mm512_mask_storeu_ps(y + m * ldy + 16, hi, _mm512_add_ps(acc[m][1], b1));
