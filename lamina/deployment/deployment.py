@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
-from lamina.deployment.borrowing import (GManager, GManagerClient, InstanceLoad, MoveCommand,
-                                        RManager, RequestPlacementEntry, start_gmanager)
+from lamina.deployment.borrowing import (GManager, GManagerClient, InstanceLoad, RManager,
+                                        RequestPlacementEntry, start_gmanager)
+from lamina.deployment.kv_moves import KVMove, KVMoves, Loan
 from lamina.engine.engine import StepOutput
 from lamina.engine.request import Request
 from lamina.errors import NodeFailure
@@ -51,32 +51,7 @@ from lamina.types import SamplingParams
 log = logging.getLogger("lamina.deployment")
 
 
-@dataclass
-class Loan:
-    """``slots`` of creditor ``creditor``'s node ``creditor_node`` lent to ``debtor``, where it
-    is node ``debtor_node``."""
-
-    debtor: int
-    debtor_node: int
-    creditor: int
-    creditor_node: int
-    slots: int = 0
-
-
-@dataclass
-class _Move:
-    """A KV move whose data is in flight (EXPORT/IMPORT done while the instances step)."""
-
-    cmd: MoveCommand
-    res_id: int
-    req: Request
-    node: int  # source node (the request's first shard)
-    start: int
-    count: int
-    loan: Loan
-
-
-class Deployment:
+class Deployment(KVMoves):
     """Several instances behind one router; see the module docstring.
 
     ``gmanager``: ``"local"`` (an object in this process) or ``"ray"`` (a Ray actor; needs
@@ -160,7 +135,7 @@ class Deployment:
         active = [x for x in self.instances if x.failed is None and x.engine.has_work()]
         for inst in active:
             self._guard(inst, out, inst.engine.start_step)
-        moves: list[_Move] = []
+        moves: list[KVMove] = []
         if self.borrowing and self.plan_every and next(self._rounds) % self.plan_every == 0:
             for cmd in self.gmanager.call("plan"):
                 m = self._begin_move(cmd)
@@ -341,68 +316,6 @@ class Deployment:
             creditor.rmanager.ack(res.res_id)
             got += lent
         return got > 0
-
-    # -- proactive moves -------------------------------------------------------------------------
-    def move_kvcache(self, cmd: MoveCommand) -> bool:
-        """Move ``cmd.num_slabs`` slabs of the oldest KV of ``cmd.req_id`` to ``cmd.dst`` now
-        (between rounds); False when nothing moved. :meth:`step` runs the same two halves
-        around the instances' steps, so the copy overlaps decoding."""
-        m = self._begin_move(cmd)
-        return m is not None and self._end_move(m)
-
-    def _begin_move(self, cmd: MoveCommand) -> _Move | None:
-        """Reserve at the destination (``try_move_kvcache``), EXPORT the oldest ``count``
-        positions of the request's first shard and IMPORT them on the creditor's node. The
-        request may be decoding meanwhile: only its tail grows, and these positions are
-        written (``< num_computed``) and never change. None (nothing reserved or copied) when
-        the request has no such prefix in its own pool, or the gManager or creditor refuses."""
-        src = self.instances[cmd.src]
-        req = src.engine.requests.get(cmd.req_id)
-        if req is None or req.finished or not req.shards or self.instances[cmd.dst].failed:
-            return None
-        first = req.shards[0]
-        written = min(first.end, req.num_computed) - first.start
-        count = min(cmd.num_slabs * self.slab, first.length - 1, written)
-        if first.node >= src.own_nodes or count < 1:
-            return None
-        res = self.gmanager.call("try_move_kvcache", cmd)
-        if res is None:
-            return None
-        creditor = self.instances[cmd.dst]
-        cnode = max(range(creditor.own_nodes), key=lambda n: creditor.scheduler.free[n])
-        loan = self._loan(cmd.src, cmd.dst, cnode)
-        if creditor.scheduler.free[cnode] < count or loan.debtor_node in {s.node for s in req.shards}:
-            self.gmanager.call("abort", res.res_id)
-            return None
-        a = first.start
-        chunk = src.nodes[first.node].export(req.req_id, a, a + count)
-        creditor.nodes[cnode].import_kv(chunk)
-        return _Move(cmd, res.res_id, req, first.node, a, count, loan)
-
-    def _end_move(self, m: _Move) -> bool:
-        """After the steps: the data has landed, so switch the placement and free the source
-        range; if the request finished, was preempted or changed shape meanwhile, drop the
-        copy instead. True if the move took effect."""
-        req, loan = m.req, m.loan
-        creditor = self.instances[loan.creditor]
-        first = req.shards[0] if req.shards else None
-        ok = (not req.finished and first is not None and first.node == m.node
-              and first.start == m.start and first.length > m.count
-              and loan.debtor_node not in {s.node for s in req.shards}
-              and creditor.scheduler.free[loan.creditor_node] >= m.count)
-        if not ok:
-            creditor.nodes[loan.creditor_node].free_range(req.req_id, m.start,
-                                                                 m.start + m.count)
-            self.gmanager.call("abort", m.res_id)
-            return False
-        self.lend(loan, m.count)
-        creditor.rmanager.ack(m.res_id)
-        src = self.instances[m.cmd.src]
-        src.scheduler.move_prefix(req, loan.debtor_node, m.count)
-        src.nodes[m.node].free_range(req.req_id, m.start, m.start + m.count)
-        self.moves += 1
-        return True
-
 
 class _Lender:
     """An instance's :class:`lamina.engine.scheduler.Lender`: the deployment's gManager and loans."""
