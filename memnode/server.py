@@ -29,7 +29,7 @@ from lamina.errors import NodeFailure
 from lamina.memnode.node import MemoryNode
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
-from lamina.transport.endpoint import Listening, connect, listen
+from lamina.transport.endpoint import SPIN_US, Listening, connect, listen
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttentionSpec
 
@@ -78,7 +78,7 @@ class NodeServer:
 
     def __init__(self, node: MemoryNode, spin: bool = False):
         self.node = node
-        self.spin_us = float("inf") if spin else None  # on peer (data) links
+        self.spin_us = float("inf") if spin else SPIN_US  # on peer (data) links
         self.lock = threading.Lock()
         self.peers: dict[int, Listening] = {}
 

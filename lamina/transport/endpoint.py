@@ -49,12 +49,12 @@ class Listening:
 
 
 def listen(kind: str = "shm", host: str = "127.0.0.1", *,
-           spin_us: float | None = None) -> Listening:
+           spin_us: float = SPIN_US) -> Listening:
     """Open an endpoint of backend ``kind``; a tcp listener binds ``host`` (loopback unless the
     placement spans hosts)."""
     if kind == "shm":
         from lamina.transport.shm import ShmChannel
-        ch = ShmChannel.create(capacity=RING_BYTES, spin_us=SPIN_US if spin_us is None else spin_us)
+        ch = ShmChannel.create(capacity=RING_BYTES, spin_us=spin_us)
         return Listening({"kind": "shm", "spec": ch.spec.to_dict()}, channel=ch)
     if kind == "tcp":
         from lamina.transport.tcp import TcpListener
@@ -64,13 +64,13 @@ def listen(kind: str = "shm", host: str = "127.0.0.1", *,
     raise ValueError(f"unknown channel kind {kind!r}; expected one of {KINDS}")
 
 
-def connect(endpoint: dict[str, Any], *, spin_us: float | None = None) -> Channel:
+def connect(endpoint: dict[str, Any], *, spin_us: float = SPIN_US) -> Channel:
     """Join the channel described by ``endpoint`` (from :func:`listen`)."""
     kind = endpoint.get("kind")
     if kind == "shm":
         from lamina.transport.shm import ShmChannel
         return ShmChannel.attach(endpoint["spec"],
-                                 spin_us=SPIN_US if spin_us is None else spin_us)
+                                 spin_us=spin_us)
     if kind == "tcp":
         from lamina.transport.tcp import TcpChannel
         return TcpChannel.connect(endpoint["host"], int(endpoint["port"]))
