@@ -12,6 +12,8 @@ round trips. Payloads 4 KB .. 4 MB. Compared:
   role that owns its core uses: ``spin_us=inf``).
 * ``shm brief``: the same with the default 20 us spin, then the doorbell (a role that shares
   its core).
+* ``shm spin py``: ``shm spin`` without the C++ fast path (``LAMINA_KERNELS=torch``): the
+  ring written and read by Python code, as before the fast path.
 * ``tcp``: :class:`~lamina.transport.tcp.TcpChannel` over loopback.
 
 Each channel message is encoded with the wire protocol (header, descriptor, tensor bytes)
@@ -112,7 +114,7 @@ def raw_round_trip(size: int, trips: int) -> list[float]:
 
 
 # -- Lamina channels ---------------------------------------------------------------------------
-def _echo(endpoint: dict, spin_us: float | None, core: int) -> None:
+def _echo(endpoint: dict, spin_us: float, core: int) -> None:
     _pin(core)
     from lamina.transport.endpoint import connect
     from lamina.transport.wire import MsgKind
@@ -127,7 +129,7 @@ def _echo(endpoint: dict, spin_us: float | None, core: int) -> None:
         ch.close()
 
 
-def channel_round_trips(kind: str, spin_us: float | None, sizes: list[int],
+def channel_round_trips(kind: str, spin_us: float, sizes: list[int],
                         quick: bool) -> dict[int, list[float]]:
     import torch
 
@@ -200,10 +202,22 @@ def main(argv: list[str] | None = None) -> None:
 
     for size in sizes:
         add("raw", size, raw_round_trip(size, _trips(size, a.quick)))
-    for mode, kind, spin in (("shm spin", "shm", float("inf")), ("shm brief", "shm", None),
-                             ("tcp", "tcp", None)):
-        for size, times in channel_round_trips(kind, spin, sizes, a.quick).items():
-            add(mode, size, times)
+    from lamina.transport.endpoint import SPIN_US
+    for mode, kind, spin in (("shm spin", "shm", float("inf")), ("shm brief", "shm", SPIN_US),
+                             ("shm spin py", "shm", float("inf")), ("tcp", "tcp", SPIN_US)):
+        python_ring = mode.endswith(" py")  # the shm ring without its C++ fast path
+        old = os.environ.get("LAMINA_KERNELS")
+        if python_ring:  # read when the channels are made, here and in the spawned echo
+            os.environ["LAMINA_KERNELS"] = "torch"
+        try:
+            for size, times in channel_round_trips(kind, spin, sizes, a.quick).items():
+                add(mode, size, times)
+        finally:
+            if python_ring:
+                if old is None:
+                    os.environ.pop("LAMINA_KERNELS", None)
+                else:
+                    os.environ["LAMINA_KERNELS"] = old
         print(f"{mode}: " + ", ".join(f"{_human(r['size'])} {r['us']:.1f} us"
                                       for r in rows if r["mode"] == mode), flush=True)
     meta = dict(cores=[CORES[0], ECHO_CORE], host_cores=os.cpu_count(), quick=a.quick)

@@ -11,152 +11,42 @@ with float32 or bfloat16 pools (last dimension contiguous) and float32 / bfloat1
 queries; other inputs go to the torch path (:func:`lamina.kernels.torch_sparse.paged_attention_cpu`).
 Computation is float32. Threads: torch's intra-op pool (``torch.set_num_threads``).
 
-Build: :func:`load` compiles the source with ``torch.utils.cpp_extension.load`` on first use
-(``-O3 -march=native -fopenmp``; ~30 s) into ``$LAMINA_CACHE/torch_extensions/<key>``
-(``LAMINA_CACHE`` defaults to ``~/.cache/lamina``). ``<key>`` hashes the sources and their
-folder, the flags, the CPU (model and feature flags from ``/proc/cpuinfo``), the compiler, torch
-and Python, so a cache never serves a binary built for another CPU or toolchain; later
-processes just load it (concurrent builders take turns on an flock in that folder, which a
-builder that dies does not leave behind). ``LAMINA_CPP_CFLAGS`` adds flags (e.g.
-``-mno-avx512f`` to try the portable path). When the build fails (no compiler, no ninja, a
-compile error) :func:`load` emits one ``RuntimeWarning`` naming the cause and returns
-``None``; :func:`build_error` keeps the cause, and the dispatcher uses the torch path.
+Build: :func:`load` compiles the sources on first use and caches them (~30 s once per CPU,
+toolchain and source version; see :mod:`lamina.kernels.build`). When the build fails
+:func:`load` emits one ``RuntimeWarning`` naming the cause and returns ``None``;
+:func:`build_error` keeps the cause, and the dispatcher uses the torch path.
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import threading
-import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from lamina.kernels.build import CFLAGS, Extension, cache_root, extra_cflags
+from lamina.kernels.build import compiler as _compiler
 from lamina.kernels.reference import check_shapes
 from lamina.types import AttentionSpec
+
+__all__ = ["CFLAGS", "SOURCES", "HEADERS", "load", "available", "build_error", "build_key",
+           "cache_root", "extra_cflags", "cpp_eligible", "paged_attention_cpp", "_compiler"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp",
                                           "bindings.cpp"))
 HEADERS = (_CSRC / "simd.h",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_lock = threading.Lock()
-_state: dict = {"tried": {}, "error": {}}  # by extra-flags tuple: module or None / cause
-
-
-def cache_root() -> Path:
-    """``$LAMINA_CACHE/torch_extensions`` (``LAMINA_CACHE`` defaults to ``~/.cache/lamina``)."""
-    base = Path(os.environ.get("LAMINA_CACHE", Path.home() / ".cache" / "lamina"))
-    return base / "torch_extensions"
-
-
-def _cpu_fingerprint() -> str:
-    """CPU model and feature flags (what ``-march=native`` compiles for)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-    keep = ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part")
-    seen: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key = key.strip()
-        if key in keep and key not in seen:
-            seen[key] = " ".join(sorted(val.split())) if key in ("flags", "Features") else val.strip()
-    return repr(sorted(seen.items()))
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
-def _compiler_version(cxx: str) -> str:
-    try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                              timeout=30).stdout.split("\n")[0]
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
-def extra_cflags() -> tuple[str, ...]:
-    """Flags added by ``LAMINA_CPP_CFLAGS`` (whitespace separated)."""
-    return tuple(os.environ.get("LAMINA_CPP_CFLAGS", "").split())
-
-
-def build_key(cflags: tuple[str, ...], cxx: str) -> str:
-    """Hex digest over sources (their content and folder: ninja's build file names the paths,
-    so two checkouts sharing one build folder would rebuild each other's), flags, CPU,
-    compiler, torch and Python versions."""
-    h = hashlib.sha256(str(_CSRC).encode())
-    for src in SOURCES + HEADERS:
-        h.update(src.read_bytes())
-    for part in (cflags, LDFLAGS, _cpu_fingerprint(), cxx, _compiler_version(cxx),
-                 torch.__version__, sys.version, platform.machine()):
-        h.update(repr(part).encode())
-    return h.hexdigest()[:16]
-
-
-def _cause(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower()]
-    return " | ".join((errors or lines)[-4:])[:800] or type(exc).__name__
-
-
-def _build(extra: tuple[str, ...], verbose: bool) -> ModuleType:
-    from torch.utils import cpp_extension
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'c++')!r} is not on PATH")
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja is not installed (`pip install ninja`)")
-    cflags = CFLAGS + extra
-    key = build_key(cflags, cxx)
-    build_dir = cache_root() / key
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # torch's own lock (a ``lock`` file) stays behind when its builder is killed, and every
-    # later load would wait on it forever. Builders here first take an flock, which the kernel
-    # drops with a dead process; whoever holds it may remove a leftover ``lock``.
-    with open(build_dir / "lamina.flock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        return cpp_extension.load(name=f"lamina_paged_attention_{key}",
-                                  sources=[str(s) for s in SOURCES], extra_cflags=list(cflags),
-                                  extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
-                                  verbose=verbose)
+EXTENSION = Extension("lamina_paged_attention", SOURCES, HEADERS, fallback="the torch paths")
+build_key = EXTENSION.build_key
 
 
 def load(extra: tuple[str, ...] | None = None, verbose: bool = False) -> ModuleType | None:
-    """The compiled extension, built on first use; ``None`` (after one warning) if it cannot be.
-
-    ``extra`` are compile flags added to ``-O3 -march=native -fopenmp`` (default:
-    ``LAMINA_CPP_CFLAGS``); each set of flags is built (and warned about) once per process.
-    """
-    extra = extra_cflags() if extra is None else tuple(extra)
-    with _lock:
-        if extra in _state["tried"]:
-            return _state["tried"][extra]
-        try:
-            mod = _build(extra, verbose)
-        except Exception as exc:  # noqa: BLE001 - any build failure means the fallback
-            mod = None
-            _state["error"][extra] = _cause(exc)
-        _state["tried"][extra] = mod  # before warning: a warnings filter may raise
-    if mod is None:
-        warnings.warn(f"lamina: the C++ CPU kernels could not be built "
-                      f"({_state['error'][extra]}); using the torch paths instead "
-                      f"(set LAMINA_KERNELS=torch to skip the build)", RuntimeWarning,
-                      stacklevel=2)
-    return mod
+    """The compiled kernels, built on first use; ``None`` (after one warning) if they cannot be.
+    ``extra``: compile flags added to ``-O3 -march=native -fopenmp`` (default:
+    ``LAMINA_CPP_CFLAGS``); each set of flags is built (and warned about) once per process."""
+    return EXTENSION.load(extra, verbose)
 
 
 def available() -> bool:
@@ -166,7 +56,7 @@ def available() -> bool:
 
 def build_error() -> str | None:
     """Why the last :func:`load` with the current flags failed (``None``: it did not)."""
-    return _state["error"].get(extra_cflags())
+    return EXTENSION.build_error()
 
 
 def cpp_eligible(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:

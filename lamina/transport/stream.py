@@ -43,6 +43,11 @@ class StreamDecoder:
         self._meta: dict[str, Any] = {}
         self._body: torch.Tensor | None = None
 
+    def poison(self, exc: WireError) -> None:
+        """Mark the stream corrupt (a message taken from it another way was malformed): every
+        later call raises."""
+        self._error = exc
+
     @property
     def in_progress(self) -> bool:
         """True when part of a message has been received."""

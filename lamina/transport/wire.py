@@ -41,8 +41,8 @@ import torch
 
 __all__ = ["MAGIC", "VERSION", "ALIGN", "MAX_NDIM", "HEADER_SIZE", "DESC_SIZE", "SUPPORTED_DTYPES",
            "WireError", "MsgKind", "WireLimits", "DEFAULT_LIMITS", "Message", "Header",
-           "TensorDesc", "encode", "encode_bytes", "check_message", "unpack_header",
-           "unpack_preamble", "assemble", "decode"]
+           "TensorDesc", "encode", "encode_bytes", "encode_meta", "check_message",
+           "unpack_header", "unpack_preamble", "decode_kind", "decode_meta", "assemble", "decode"]
 
 MAGIC = b"LMNA"
 VERSION = 1
@@ -110,6 +110,12 @@ class WireLimits:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        """(max_tensors, max_ndim, max_tensor_bytes, max_message_bytes, max_meta_bytes): the
+        form the C++ ring fast path takes."""
+        return (self.max_tensors, self.max_ndim, self.max_tensor_bytes, self.max_message_bytes,
+                self.max_meta_bytes)
+
 
 DEFAULT_LIMITS = WireLimits()
 
@@ -163,7 +169,9 @@ def _align(n: int) -> int:
 # ------------------------------------------------------------------------------------- encode
 
 
-def _dump_meta(meta: Any, limits: WireLimits) -> bytes:
+def encode_meta(meta: Any, limits: WireLimits) -> bytes:
+    """``meta`` as the wire's JSON bytes (``b""`` for an empty dict); :class:`WireError` when it
+    is not a JSON-serialisable dict with string keys or is over ``limits.max_meta_bytes``."""
     if not isinstance(meta, dict):
         raise WireError(f"meta must be a dict, got {type(meta).__name__}")
     if not meta:
@@ -185,7 +193,7 @@ def _plan(msg: Message, limits: WireLimits) -> tuple[MsgKind, bytes, list[Tensor
         kind = MsgKind(msg.kind)
     except ValueError:
         raise WireError(f"unknown message kind {msg.kind!r}") from None
-    meta = _dump_meta(msg.meta, limits)
+    meta = encode_meta(msg.meta, limits)
     if len(msg.tensors) > limits.max_tensors:
         raise WireError(f"{len(msg.tensors)} tensors, limit {limits.max_tensors}")
     off = _align(HEADER_SIZE + len(msg.tensors) * DESC_SIZE + len(meta))
@@ -266,10 +274,7 @@ def unpack_header(data: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
         raise WireError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise WireError(f"unsupported wire version {version} (this side speaks {VERSION})")
-    try:
-        kind = MsgKind(kind)
-    except ValueError:
-        raise WireError(f"unknown message kind {kind}") from None
+    kind = decode_kind(kind)
     if n > limits.max_tensors:
         raise WireError(f"{n} tensors stated, limit {limits.max_tensors}")
     if meta_len > limits.max_meta_bytes:
@@ -309,15 +314,29 @@ def unpack_preamble(header: Header, data: Buffer, limits: WireLimits = DEFAULT_L
         off += _align(nbytes)
     if off != header.total_len:
         raise WireError(f"stated total {header.total_len} bytes, descriptors add up to {off}")
-    meta: Any = {}
-    if header.meta_len:
-        try:
-            meta = json.loads(bytes(data[header.num_tensors * DESC_SIZE:]).decode("utf-8"))
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError
-            raise WireError(f"meta is not valid JSON: {exc}") from None
-        if not isinstance(meta, dict):
-            raise WireError(f"meta must be a JSON object, got {type(meta).__name__}")
-    return descs, meta
+    return descs, decode_meta(bytes(data[header.num_tensors * DESC_SIZE:]))
+
+
+def decode_kind(kind: int) -> MsgKind:
+    """The :class:`MsgKind` of a header's kind field; :class:`WireError` when unknown."""
+    try:
+        return MsgKind(kind)
+    except ValueError:
+        raise WireError(f"unknown message kind {kind}") from None
+
+
+def decode_meta(data: bytes) -> dict[str, Any]:
+    """A message's meta from its JSON bytes (``b""``: ``{}``); :class:`WireError` when they are
+    not UTF-8 JSON holding an object."""
+    if not data:
+        return {}
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError
+        raise WireError(f"meta is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise WireError(f"meta must be a JSON object, got {type(meta).__name__}")
+    return meta
 
 
 def assemble(header: Header, descs: list[TensorDesc], meta: dict[str, Any],

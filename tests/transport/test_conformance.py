@@ -25,8 +25,12 @@ from lamina.types import AttendMsg, AttendResult, KVChunk, NodeStats, PrepareMsg
 from shm_peers import cpu_seconds, serve_one, serve_specs, serve_tcp
 from wire_cases import MALFORMED, MALFORMED_MATCH, assert_same
 
-BACKENDS = ["local", "shm_thread", "shm_process", "tcp_thread", "tcp_process"]
-STREAM_BACKENDS = ["shm_thread", "shm_process", "tcp_thread", "tcp_process"]  # byte streams
+# shm_thread: both ends on the C++ fast path when it builds; shm_py_thread: both on the Python
+# path; shm_mixed_thread: one end each (the bytes on the wire are the same).
+SHM_THREAD = {"shm_thread": (None, None), "shm_py_thread": (False, False),
+              "shm_mixed_thread": (None, False)}
+BACKENDS = ["local", *SHM_THREAD, "shm_process", "tcp_thread", "tcp_process"]
+STREAM_BACKENDS = [*SHM_THREAD, "shm_process", "tcp_thread", "tcp_process"]  # byte streams
 N_FRESH = 24  # dedicated (breakable) channels served by each spawned peer
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.float64, torch.int16, torch.int8]
@@ -123,8 +127,10 @@ def sync(ch) -> None:
 def _thread_link(backend: str):
     if backend == "local":
         a, b = local_pair()
-    elif backend == "shm_thread":
-        a, b = shm_pair(8 << 20)
+    elif backend in SHM_THREAD:
+        fast_a, fast_b = SHM_THREAD[backend]
+        a = ShmChannel.create(8 << 20, fast=fast_a)
+        b = ShmChannel.attach(a.spec, fast=fast_b)
     else:
         a, b = tcp_pair()
     t = threading.Thread(target=serve_one, args=(b,), daemon=True)
