@@ -17,6 +17,7 @@ exits when the primary channel's peer is gone, so it never outlives the engine.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import asdict
@@ -30,7 +31,7 @@ from lamina.memnode.node import MemoryNode
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
 from lamina.transport.endpoint import SPIN_US, Listening, connect, listen
-from lamina.transport.wire import Message, MsgKind
+from lamina.transport.wire import Message, MsgKind, WireError
 from lamina.types import AttentionSpec
 
 codec.register_error(NodeFailure)
@@ -136,6 +137,9 @@ class NodeServer:
                             f"compute replica {msg.reply_to} is gone: {e}"), msg))
         except (PeerDied, ChannelClosed, TimeoutError):
             pass
+        except WireError as e:  # a corrupt stream: this peer's link ends, the node serves on
+            logging.getLogger("lamina.memnode").warning(
+                "lamina: memory node closes the corrupt link of peer %s: %s", peer, e)
         finally:
             with self.lock:
                 if self.peers.get(peer) is lst:

@@ -32,11 +32,11 @@ Contract shared by all backends (tested by ``tests/transport/test_conformance.py
 """
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-
 from typing import Callable
 
-from lamina.transport.wire import DEFAULT_LIMITS, Message, MsgKind, WireLimits
+from lamina.transport.wire import DEFAULT_LIMITS, Message, MsgKind, WireError, WireLimits
 
 __all__ = ["Channel", "ChannelClosed", "PeerDied", "START_TIMEOUT_S", "REPLY_TIMEOUT_S",
            "serve_loop"]
@@ -85,7 +85,8 @@ class Channel(ABC):
 def serve_loop(ch: Channel, handler: Callable[[Message], Message],
                on_exit: Callable[[], None] | None = None) -> None:
     """Answer every request on ``ch`` with ``handler``'s one reply, in order, until SHUTDOWN
-    (answered, then the loop ends) or until the peer is gone; then close ``ch``."""
+    (answered, then the loop ends), until the peer is gone, or until the stream is corrupt
+    (a :class:`WireError`: logged, since nothing after it can be trusted); then close ``ch``."""
     try:
         while True:
             msg = ch.recv()
@@ -94,6 +95,8 @@ def serve_loop(ch: Channel, handler: Callable[[Message], Message],
                 break
     except (PeerDied, ChannelClosed):
         pass  # the peer is gone: exit quietly
+    except WireError as e:
+        logging.getLogger("lamina.transport").warning("lamina: closing a corrupt channel: %s", e)
     finally:
         ch.close()
         if on_exit is not None:

@@ -2,7 +2,12 @@
 then joins, whatever the backend.
 
 An endpoint is plain data (a dict that travels in a control message or as a process argument):
-``{"kind": "shm", "spec": {...}}`` or ``{"kind": "tcp", "host": ..., "port": ...}``. The side
+``{"kind": "shm", "spec": {...}}`` or ``{"kind": "tcp", "host": ..., "port": ..., "secret": ...}``.
+It is a capability: whoever holds it can join. A tcp endpoint's ``secret`` is fresh for each
+endpoint and proven in the handshake of :mod:`lamina.transport.auth`; an shm endpoint names
+segments that only this user can open, whose names are removed as soon as the peer attached.
+Endpoints travel only over the control plane (process or actor arguments, replies on an
+already joined channel). The side
 that opens it calls :func:`listen` and hands ``listening.endpoint`` to the peer, which calls
 :func:`connect`; the opener gets its end with :meth:`Listening.channel` (shm: at once; tcp:
 once the peer connected). Which backend a link uses is the placement's choice
@@ -60,7 +65,8 @@ def listen(kind: str = "shm", host: str = "127.0.0.1", *,
         from lamina.transport.tcp import TcpListener
         lst = TcpListener(host, 0)
         h, port = lst.address
-        return Listening({"kind": "tcp", "host": h, "port": port}, listener=lst)
+        return Listening({"kind": "tcp", "host": h, "port": port, "secret": lst.secret},
+                         listener=lst)
     raise ValueError(f"unknown channel kind {kind!r}; expected one of {KINDS}")
 
 
@@ -73,7 +79,8 @@ def connect(endpoint: dict[str, Any], *, spin_us: float = SPIN_US) -> Channel:
                                  spin_us=spin_us)
     if kind == "tcp":
         from lamina.transport.tcp import TcpChannel
-        return TcpChannel.connect(endpoint["host"], int(endpoint["port"]))
+        return TcpChannel.connect(endpoint["host"], int(endpoint["port"]),
+                                  secret=endpoint["secret"])
     raise ValueError(f"unknown channel kind {kind!r}; expected one of {KINDS}")
 
 

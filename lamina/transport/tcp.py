@@ -17,15 +17,24 @@ every ``wake_interval`` seconds while a ``recv`` waits, which catches a peer who
 away without closing the connection; after an end of stream it is polled for up to
 ``death_grace`` seconds, since a dying process closes its sockets just before it is reaped.
 
+Every connection starts with the authenticated handshake of :mod:`lamina.transport.auth`
+(mutual HMAC over a per-listener secret, limits agreed before any allocation): a connector
+without the secret gets nothing, and the listener drops it and keeps accepting. Once a
+message has begun, the rest must keep arriving: no byte for ``frame_timeout`` seconds
+mid-message is a :class:`~lamina.transport.wire.WireError` (a stalled or truncated frame never
+blocks a reader for good).
+
 Servers bind to 127.0.0.1 unless told otherwise::
 
     listener = TcpListener("127.0.0.1", 0)     # server: port 0 picks a free port
-    host, port = listener.address              # hand (host, port) to the peer (control plane)
+    host, port = listener.address              # hand (host, port) and listener.secret to the
+                                               # peer over the control plane
     ch = listener.accept(timeout=30)           # server side of the link
-    peer = TcpChannel.connect(host, port)      # client side
+    peer = TcpChannel.connect(host, port, secret=secret)   # client side
 """
 from __future__ import annotations
 
+import logging
 import math
 import select
 import socket
@@ -33,8 +42,10 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from lamina.transport.auth import (HANDSHAKE_TIMEOUT_S, AuthError, connector_handshake,
+                                   listener_handshake, new_secret)
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
-from lamina.transport.wire import DEFAULT_LIMITS, Buffer, Message, WireLimits, encode
+from lamina.transport.wire import DEFAULT_LIMITS, Buffer, Message, WireError, WireLimits, encode
 from lamina.transport.stream import StreamDecoder
 
 __all__ = ["TcpChannel", "TcpListener"]
@@ -43,6 +54,8 @@ _IOV_MAX = 512
 _MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _MSG_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+FRAME_TIMEOUT_S = 60.0  # most seconds without a byte in the middle of a message
+log = logging.getLogger("lamina.transport")
 
 
 class TcpChannel(Channel):
@@ -52,13 +65,16 @@ class TcpChannel(Channel):
     ``peer_alive``: optional liveness hook (e.g. a child's ``is_alive``). ``wake_interval``:
     seconds between hook checks while a ``recv`` waits (without a hook it sleeps until data,
     end of stream or ``close``). ``death_grace``: how long to keep asking the hook after an end
-    of stream before calling it a close."""
+    of stream before calling it a close. ``frame_timeout``: most seconds without a byte once
+    a message has begun. The socket must have passed the handshake (:meth:`connect` and
+    :meth:`TcpListener.accept` run it; ``limits`` are then the agreed ones)."""
 
     def __init__(self, sock: socket.socket, *, limits: WireLimits = DEFAULT_LIMITS,
                  peer_alive: Callable[[], bool] | None = None, wake_interval: float = 0.25,
-                 death_grace: float = 0.25, keepalive_s: float = 60.0) -> None:
-        if wake_interval <= 0 or death_grace < 0:
-            raise ValueError("wake_interval must be > 0 and death_grace >= 0")
+                 death_grace: float = 0.25, keepalive_s: float = 60.0,
+                 frame_timeout: float = FRAME_TIMEOUT_S) -> None:
+        if wake_interval <= 0 or death_grace < 0 or frame_timeout <= 0:
+            raise ValueError("wake_interval and frame_timeout must be > 0, death_grace >= 0")
         if sock.type != socket.SOCK_STREAM:
             raise ValueError("a TcpChannel needs a stream socket")
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -75,6 +91,7 @@ class TcpChannel(Channel):
         self._peer_alive = peer_alive
         self._wake = wake_interval
         self._grace = death_grace
+        self._frame_timeout = frame_timeout
         self._dec = StreamDecoder(limits)
         self._poll = select.poll()
         self._poll.register(sock.fileno(), _POLL_IN)
@@ -85,8 +102,11 @@ class TcpChannel(Channel):
         self._eof: ConnectionError | None = None  # what the end of the stream meant
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float = 30.0, **kw: Any) -> "TcpChannel":
-        """Connect to a :class:`TcpListener`, retrying a refused connection until ``timeout``."""
+    def connect(cls, host: str, port: int, timeout: float = 30.0, *, secret: str,
+                limits: WireLimits = DEFAULT_LIMITS, **kw: Any) -> "TcpChannel":
+        """Connect to a :class:`TcpListener` holding ``secret`` (retrying a refused connection
+        until ``timeout``) and run the handshake; :class:`~lamina.transport.auth.AuthError`
+        when the listener does not prove the secret."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -98,7 +118,10 @@ class TcpChannel(Channel):
                     raise
                 time.sleep(0.05)
         try:
-            return cls(sock, **kw)
+            # the HELLO may come late: the listener handshakes connectors one at a time
+            agreed = connector_handshake(sock, secret, limits,
+                                         max(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic()))
+            return cls(sock, limits=agreed, **kw)
         except BaseException:
             sock.close()
             raise
@@ -168,6 +191,7 @@ class TcpChannel(Channel):
     def recv(self, timeout: float | None = None) -> Message:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         with self._rx_lock:
+            last_byte = time.monotonic()
             while True:
                 if self._closed:
                     raise ChannelClosed("tcp channel is closed")
@@ -187,12 +211,22 @@ class TcpChannel(Channel):
                 if n == 0:
                     raise self._gone("end of stream")
                 if n > 0:
+                    last_byte = time.monotonic()
                     msg = self._dec.advance(n)
                     if msg is not None:
                         return msg
                     continue
                 # nothing there: wait for readability, the deadline or a hook check
                 wait = None if self._peer_alive is None else self._wake
+                if self._dec.in_progress:  # mid-message: the rest must keep coming
+                    stalled = time.monotonic() - last_byte
+                    if stalled >= self._frame_timeout:
+                        exc = WireError(f"truncated message: no byte for {stalled:.0f} s "
+                                        "in the middle of a message")
+                        self._dec.poison(exc)
+                        raise exc
+                    left = self._frame_timeout - stalled
+                    wait = left if wait is None else min(wait, left)
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -227,25 +261,48 @@ class TcpChannel(Channel):
 
 
 class TcpListener:
-    """A listening socket; ``accept`` returns one :class:`TcpChannel` per connection."""
+    """A listening socket; ``accept`` returns one authenticated :class:`TcpChannel` per
+    connection. ``secret`` (default: a fresh one, :attr:`secret`) is what connectors must
+    prove; hand it to the peer over the control plane with :attr:`address`."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, backlog: int = 16) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, backlog: int = 16,
+                 secret: str | None = None) -> None:
+        self.secret = secret or new_secret()
         self.sock = socket.create_server((host, port), backlog=backlog)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
+        self.dropped = 0  # connections that failed the handshake
 
-    def accept(self, timeout: float | None = None, **kw: Any) -> TcpChannel:
-        """Wait up to ``timeout`` seconds (``None`` = forever) for one connection; ``kw`` go to
-        :class:`TcpChannel`."""
-        self.sock.settimeout(timeout)
-        try:
-            conn, _ = self.sock.accept()
-        except socket.timeout as e:
-            raise TimeoutError(f"no connection within {timeout} s") from e
-        try:
-            return TcpChannel(conn, **kw)
-        except BaseException:
-            conn.close()
-            raise
+    def accept(self, timeout: float | None = None, *, limits: WireLimits = DEFAULT_LIMITS,
+               **kw: Any) -> TcpChannel:
+        """Wait up to ``timeout`` seconds (``None`` = forever) for a connection that passes
+        the handshake; connections that fail it are dropped (one warning each) and accepting
+        goes on. ``kw`` go to :class:`TcpChannel`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no authenticated connection within {timeout} s")
+            self.sock.settimeout(left)
+            try:
+                conn, addr = self.sock.accept()
+            except socket.timeout as e:
+                raise TimeoutError(f"no authenticated connection within {timeout} s") from e
+            try:
+                agreed = listener_handshake(conn, self.secret, limits)
+            except AuthError as e:
+                self.dropped += 1
+                log.warning("lamina: dropped a data-plane connection from %s:%s: %s",
+                            addr[0], addr[1], e)
+                conn.close()
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            try:
+                return TcpChannel(conn, limits=agreed, **kw)
+            except BaseException:
+                conn.close()
+                raise
 
     def close(self) -> None:
         self.sock.close()

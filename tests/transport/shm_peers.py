@@ -54,9 +54,9 @@ def serve_specs(specs: list) -> None:
     serve_all([ShmChannel.attach(spec) for spec in specs])
 
 
-def serve_tcp(host: str, port: int, n: int) -> None:
+def serve_tcp(host: str, port: int, secret: str, n: int) -> None:
     """Spawned-process entry: open ``n`` connections to ``(host, port)`` and echo on each."""
-    serve_all([TcpChannel.connect(host, port, timeout=60) for _ in range(n)])
+    serve_all([TcpChannel.connect(host, port, timeout=60, secret=secret) for _ in range(n)])
 
 
 def serve_all(chans: list) -> None:

@@ -40,14 +40,18 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32
 
 
 def tcp_pair(**kw) -> tuple[TcpChannel, TcpChannel]:
-    """Both ends of a loopback TCP link in this process."""
+    """Both ends of a loopback TCP link in this process (the handshake needs both ends at
+    once: the listener accepts in a thread)."""
     with TcpListener("127.0.0.1", 0) as lis:
-        b = TcpChannel.connect(*lis.address, **kw)
-        try:
-            return lis.accept(timeout=10, **kw), b
-        except BaseException:
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(lis.accept(timeout=10, **kw)))
+        t.start()
+        b = TcpChannel.connect(*lis.address, secret=lis.secret, **kw)
+        t.join(15)
+        if not got:
             b.close()
-            raise
+            raise RuntimeError("the listener accepted nothing")
+        return got[0], b
 
 
 class ProcessPeer:
@@ -65,7 +69,8 @@ class ProcessPeer:
             self.proc.start()
         else:
             with TcpListener("127.0.0.1", 0) as lis:
-                self.proc = ctx.Process(target=serve_tcp, args=(*lis.address, 1 + N_FRESH),
+                self.proc = ctx.Process(target=serve_tcp,
+                                        args=(*lis.address, lis.secret, 1 + N_FRESH),
                                         daemon=True)
                 self.proc.start()
                 self.chans = []
@@ -433,7 +438,8 @@ def _shm_death_setup():
 
 def _tcp_death_setup():
     with TcpListener("127.0.0.1", 0) as lis:
-        proc = mp.get_context("spawn").Process(target=serve_tcp, args=(*lis.address, 2),
+        proc = mp.get_context("spawn").Process(target=serve_tcp,
+                                               args=(*lis.address, lis.secret, 2),
                                                daemon=True)
         proc.start()
         chans = []
