@@ -73,6 +73,7 @@ class Deployment(KVMoves):
         self.launcher = launcher  # closed last (a Ray launcher may own Ray)
         self.restart = restart  # inst_id -> a fresh instance (None: failures are final)
         self.recoveries = 0
+        self.recomputed_tokens = 0  # tokens whose KV was recomputed after a recovery
         self.slab = slab_size
         self.borrowing = borrowing
         self.plan_every = plan_every
@@ -186,6 +187,7 @@ class Deployment(KVMoves):
                 out.finished.append(req)
         pending = [r for r in list(old.scheduler.running) + list(old.scheduler.waiting)
                    if not r.finished]
+        self.recomputed_tokens += sum(r.num_computed for r in pending)  # KV lost with the node
         new.engine.adopt(pending, after=old)
         if self.gmanager is not None:
             self._lend(new)

@@ -8,6 +8,7 @@ import pytest
 from lamina import LLM, SamplingParams
 
 from tiny_models import tiny_folder
+from live_children import live_children  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -83,8 +84,7 @@ def test_stream_yields_the_same_tokens_as_generate(llm):
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())}
+    return live_children()
 
 
 def _kill_mid_stream(llm, prompts, params, victim) -> list[list[int]]:

@@ -13,6 +13,7 @@ from lamina import LLM, SamplingParams
 from lamina.models import load_model
 
 from hf_oracle import hf_greedy, tiny_case
+from live_children import live_children  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every LLM here starts processes
 MAX_NEW = 10
@@ -22,9 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE
-            and "resource_tracker" not in " ".join(p.cmdline())}
+    return live_children()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from lamina.config import deployment_config
 
 from hf_oracle import hf_greedy
 from tiny_models import tiny_folder, tiny_model
+from live_children import live_children  # noqa: E402
 
 MAX_NEW = 8
 PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
@@ -44,11 +45,7 @@ def ray_up():
 
 
 def _children() -> set[int]:
-    """Live child processes, less multiprocessing's resource tracker (it lives as long as
-    this process, once anything was spawned)."""
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE
-            and "resource_tracker" not in " ".join(p.cmdline())}
+    return live_children()
 
 
 @pytest.mark.parametrize("compute,pipeline", PIPELINES,

@@ -199,3 +199,43 @@ def test_cuda_tensors_are_sent_from_host_and_arrive_on_cpu():
 
 def test_default_limits_are_documented_values():
     assert DEFAULT_LIMITS == WireLimits(64, 8, 4 << 30, 8 << 30, 4 << 20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_arbitrary_bytes_decode_to_a_message_or_a_wire_error(data):
+    """The decoder, whole and incremental, on arbitrary bytes: a Message or WireError, never
+    another exception, and nothing allocated past the limits (small limits here)."""
+    small = WireLimits(max_tensors=4, max_tensor_bytes=1 << 12, max_message_bytes=1 << 14,
+                       max_meta_bytes=256)
+    try:
+        decode(data, small)
+    except WireError:
+        pass
+    dec = StreamDecoder(small)
+    pos = 0
+    try:
+        while pos < len(data):
+            view = dec.buffer()
+            n = min(len(view), len(data) - pos, 7)  # odd-sized pieces
+            view[:n] = data[pos:pos + n]
+            view.release()
+            pos += n
+            dec.advance(n)
+    except WireError:
+        pass
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=6))
+def test_mutated_valid_messages_decode_or_fail_cleanly(flips):
+    """Byte flips anywhere in a valid message (header, descriptors, meta, data)."""
+    data = bytearray(encode_bytes(Message(MsgKind.RESULT, 3, 1, 2, {"k": [1, 2]},
+                                          [torch.arange(6).view(2, 3), torch.ones(4)])))
+    for pos, val in flips:
+        data[pos % len(data)] = val
+    try:
+        msg = decode(bytes(data))
+    except WireError:
+        return
+    assert isinstance(msg, Message) and all(isinstance(t, torch.Tensor) for t in msg.tensors)
