@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from lamina.config import DeploymentConfig, deployment_config
 from lamina.deployment import Deployment, start_deployment
 from lamina.engine.request import Request
-from lamina.errors import NodeFailure
+from lamina.errors import NoCapacity, NodeFailure
 from lamina.outputs import CompletionOutput, RequestOutput, StreamDelta, output_text, stable_text
 from lamina.timeline import Timeline
 from lamina.types import SamplingParams
@@ -153,7 +153,7 @@ class LLM:
         for prompt, p in zip(prompts, params):
             try:
                 entries.append((d.add_request(self._tokenize(prompt), p), prompt, None))
-            except ValueError as e:
+            except (ValueError, NoCapacity) as e:
                 entries.append((None, prompt, e))
         self._last = entries
         index_of = {req.req_id: i for i, (req, _, _) in enumerate(entries) if req is not None}

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Callable
 
 from lamina.deployment.borrowing import (GManager, GManagerClient, InstanceLoad, RManager,
@@ -44,11 +45,12 @@ from lamina.deployment.borrowing import (GManager, GManagerClient, InstanceLoad,
 from lamina.deployment.kv_moves import KVMove, KVMoves, Loan
 from lamina.engine.engine import StepOutput
 from lamina.engine.request import Request
-from lamina.errors import NodeFailure
+from lamina.errors import NoCapacity, NodeFailure
 from lamina.instance import ID_STRIDE, Instance
 from lamina.types import SamplingParams
 
 log = logging.getLogger("lamina.deployment")
+REVIVE_S = 5.0  # seconds between restart attempts of an instance whose restart failed
 
 
 class Deployment(KVMoves):
@@ -101,8 +103,12 @@ class Deployment(KVMoves):
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         """Route to the least-loaded live instance (fewest requests, then most free slots)."""
         live = [x for x in self.instances if x.failed is None]
+        if not live and self.revive():
+            live = [x for x in self.instances if x.failed is None]
         if not live:
-            raise RuntimeError("every instance of this deployment has failed")
+            causes = "; ".join(f"instance {x.inst_id}: {x.failed}" for x in self.instances)
+            raise NoCapacity(f"no instance can serve now ({causes}); a restart is retried "
+                             f"every {REVIVE_S:g} s", REVIVE_S)
         inst = min(live, key=lambda x: (x.load(), -sum(x.scheduler.free), x.inst_id))
         return inst.engine.add_request(prompt_ids, params)
 
@@ -133,6 +139,8 @@ class Deployment(KVMoves):
         and the rManagers send heartbeats. An instance whose node or replica fails ends its
         requests with that error and leaves the router; the others go on."""
         out = StepOutput()
+        if any(x.failed is not None for x in self.instances):
+            self.revive()
         active = [x for x in self.instances if x.failed is None and x.engine.has_work()]
         for inst in active:
             self._guard(inst, out, inst.engine.start_step)
@@ -159,9 +167,35 @@ class Deployment(KVMoves):
         except NodeFailure as e:
             if self._recover(inst, e, out):
                 return
-            if all(x.failed is not None for x in self.instances if x is not inst):
-                raise  # nothing left to serve: the caller fails as a single engine would
-            self._fail(inst, e, out)
+            if self.restart is None and all(x.failed is not None for x in self.instances
+                                            if x is not inst):
+                raise  # nothing left to serve, ever: the caller fails as a single engine would
+            self._fail(inst, e, out)  # its requests end with the error; restarts are retried
+            inst.retry_at = time.monotonic() + REVIVE_S
+
+    def revive(self) -> int:
+        """Try again to restart each failed instance whose retry time has come (its capacity
+        may be back); returns how many serve again. Without ``restart``, none."""
+        if self.restart is None:
+            return 0
+        revived = 0
+        for i, inst in enumerate(self.instances):
+            if inst.failed is None or inst.retry_at > time.monotonic():
+                continue
+            try:
+                new = self.restart(inst.inst_id)
+            except Exception as e:  # noqa: BLE001 - still no capacity: try again later
+                inst.retry_at = time.monotonic() + REVIVE_S
+                log.warning("instance %d still cannot be restarted: %s", inst.inst_id, e)
+                continue
+            new.engine.adopt([], after=inst.engine)  # request ids go on past the old ones
+            if self.gmanager is not None:
+                self._lend(new)
+            self.instances[i] = new
+            self.recoveries += 1
+            revived += 1
+            log.warning("instance %d serves again", inst.inst_id)
+        return revived
 
     def _recover(self, inst: Instance, error: NodeFailure, out: StepOutput) -> bool:
         """Replace broken instance ``inst`` by a fresh one that adopts its unfinished requests;

@@ -95,6 +95,7 @@ class Instance:
     physical: list[int] = field(default_factory=list)
     rmanager: Any = None  # a lamina.deployment.borrowing.RManager, with borrowing
     failed: BaseException | None = None
+    retry_at: float = 0.0  # when failed: the monotonic time of the next restart attempt
 
     @property
     def scheduler(self):

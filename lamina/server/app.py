@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lamina.errors import NoCapacity
 from lamina.server.async_engine import AsyncEngine, Overloaded
 from lamina.server.metrics import render_metrics
 from lamina.types import SamplingParams
@@ -125,6 +126,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
     async def health():
         if not engine.healthy:
             return JSONResponse({"status": "failed"}, status_code=503)
+        if not engine.serving:  # every instance lost a role; restarts are being retried
+            return JSONResponse({"status": "no_capacity"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -179,6 +182,9 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
         except Overloaded as e:
             raise APIError(429, str(e), "rate_limit_error", code="server_busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except NoCapacity as e:  # every instance lost a role; restarts are being retried
+            raise APIError(503, str(e), "server_error", code="service_unavailable",
+                           headers={"Retry-After": str(max(1, round(e.retry_after_s)))}) from e
         except RuntimeError as e:
             raise APIError(503, str(e), "server_error", code="service_unavailable") from e
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from lamina.engine.engine import Engine
+from lamina.errors import NoCapacity
 if TYPE_CHECKING:
     from lamina.deployment.deployment import Deployment
 from lamina.outputs import StreamDelta, stable_text
@@ -112,6 +113,8 @@ class AsyncEngine:
                 delta = await q.get()
                 if isinstance(delta, BaseException):
                     raise delta
+                if delta.finished and delta.finish_reason == "error":  # its instance failed
+                    raise RuntimeError(f"the request failed: {delta.error}")
                 yield delta
                 if delta.finished:
                     return
@@ -128,6 +131,13 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._fatal is None and self._thread.is_alive()
 
+    @property
+    def serving(self) -> bool:
+        """Whether some instance can take requests now (False while every one lost a role
+        and its restarts are being retried)."""
+        instances = getattr(self.engine, "instances", None)  # a Deployment; an Engine: serving
+        return instances is None or any(x.failed is None for x in instances)
+
     # -- engine thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
         next_stats = 0.0
@@ -136,6 +146,8 @@ class AsyncEngine:
                 self._drain(block=not self.engine.has_work())
                 if self._stop.is_set():
                     break
+                if not self.serving:  # capacity was lost: retry restarts, idle or not
+                    self.engine.revive()
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
                 if time.monotonic() >= next_stats:
@@ -162,7 +174,7 @@ class AsyncEngine:
             _, prompt_ids, params, loop, q, fut = cmd
             try:
                 req = self.engine.add_request(prompt_ids, params)
-            except ValueError as e:
+            except (ValueError, NoCapacity) as e:
                 loop.call_soon_threadsafe(_set_exception, fut, e)
                 return
             now = time.monotonic()

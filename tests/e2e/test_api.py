@@ -1,5 +1,6 @@
 """LLM API behaviour on a tiny llama: bad input, seeded sampling, streaming, node failure."""
 import os
+import time
 import signal
 
 import psutil
@@ -123,3 +124,45 @@ def test_a_killed_role_is_replaced_and_no_request_is_lost(folder, role):
         assert [o.outputs[0].token_ids for o in again] == want
     psutil.wait_procs([psutil.Process(p) for p in _children() - before], timeout=10)
     assert _children() - before == set()
+
+
+@pytest.mark.slow  # starts replica and memory-node processes, three times
+def test_when_capacity_is_gone_only_its_requests_fail_and_serving_resumes_when_it_returns(
+        folder, monkeypatch):
+    """kill -9 of a memory node while no restart can succeed (its host is gone: the restart
+    raises): the requests in flight end with an error, new ones are refused with NoCapacity
+    (the server's 503 + Retry-After), and once a restart succeeds again the same LLM serves
+    the unfaulted greedy output."""
+    import lamina.deployment.deployment as deployment
+    from lamina.errors import NoCapacity
+    monkeypatch.setattr(deployment, "REVIVE_S", 0.2)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(str(folder), memory=2, placement="procs", transport="shm") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        dep = llm.deployment
+        real, gone = dep.restart, [True]
+
+        def restart(inst_id):
+            if gone[0]:
+                raise RuntimeError("no host has lamina_memory resources left")
+            return real(inst_id)
+
+        dep.restart = restart
+        pid = dep.instances[0].nodes[1].process.pid
+        stream = llm.generate_stream(prompts, params)
+        reasons = {}
+        first = next(stream)
+        os.kill(pid, signal.SIGKILL)
+        for d in [first, *stream]:
+            if d.finished:
+                reasons[d.index] = (d.finish_reason, d.error)
+        assert sorted(reasons) == [0, 1]
+        assert all(r == "error" and "memory node" in str(e) for r, e in reasons.values())
+        refused = llm.generate(prompts, params, use_tqdm=False)
+        assert all(isinstance(o.error, NoCapacity) for o in refused)
+        gone[0] = False
+        time.sleep(0.3)
+        again = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == want
+        assert dep.instances[0].failed is None

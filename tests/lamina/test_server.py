@@ -159,3 +159,24 @@ def test_a_client_that_disconnects_aborts_its_non_streaming_request(client, monk
         server.should_exit = True
         thread.join(timeout=30)
     _ok(client)
+
+
+def test_no_capacity_is_a_503_with_retry_after_until_an_instance_serves_again(client):
+    """While every instance has lost a role and cannot be restarted, new requests get a 503
+    with Retry-After and /health says no_capacity; once one serves again, so does the server.
+    (Capacity loss is injected: the instance is marked failed and its restart refused.)"""
+    dep = client.engine.engine
+    inst, real = dep.instances[0], dep.restart
+    dep.restart = lambda i: (_ for _ in ()).throw(RuntimeError("no memory host left"))
+    inst.failed, inst.retry_at = RuntimeError("memory node 1 died"), 0.0
+    try:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "service_unavailable"
+        assert "no instance can serve now" in r.json()["error"]["message"]
+        h = client.get("/health")
+        assert h.status_code == 503 and h.json() == {"status": "no_capacity"}
+    finally:
+        inst.failed, dep.restart = None, real
+    assert client.get("/health").json() == {"status": "ok"}
+    _ok(client)
