@@ -60,7 +60,7 @@ from lamina.transport.base import Channel, ChannelClosed, PeerDied
 from lamina.transport.shm_ring import (_HEAD, _R_CLOSED, _R_PID, _R_WAIT, _TAIL, _W_CLOSED,
                                       _W_PID, _W_WAIT, RingSpec, ShmChannelSpec, _Doorbell,
                                       _fence, _pid_alive, _release_rings, _Ring,
-                                      default_bell_dir)
+                                      default_bell_dir, wait_for)
 from lamina.transport import shm_fast
 from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError,
                                    WireLimits, decode_kind, decode_meta, encode, encode_meta)
@@ -197,54 +197,10 @@ class ShmChannel(Channel):
 
     def _wait(self, ring: _Ring, flag: int, bell: _Doorbell, word: int, base: int, need: int,
               check: Callable[[], None], deadline: float | None) -> bool:
-        """Spin, then block on ``bell`` until ``ring.ctl[word] - base >= need``; False when
-        ``deadline`` passed. ``check()`` runs after each timed wake and raises to abort (closed /
-        peer died). The spin runs in C++ without the GIL when the fast path is loaded."""
-        ctl = ring.ctl
-        def ready() -> bool:
-            return ctl[word] - base >= need
-        if ready():
-            return True
-        now = time.perf_counter()
-        spin_end, next_check = now + self._spin_s, now + self._wake
-        forever = self._spin_s == float("inf")
-        fast, spins = self._fast, 0
-        while now < spin_end:
-            if fast is not None:  # a C++ spin until the spin ends or the next check is due
-                budget = min(spin_end, next_check) - now
-                if fast.ring_wait(ring.ctl_addr, word, base, need, int(budget * 1e9),
-                                  16 if forever else 0):
-                    return True
-            else:
-                if ready():
-                    return True
-                spins += 1
-                if forever and not spins & 1023:  # a core of our own: never sleep, but now and
-                    os.sched_yield()  # then let a runnable thread (and our own, via the GIL) go
-            now = time.perf_counter()
-            if now >= next_check:
-                check()
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
-                next_check = now + self._wake
-        while True:  # a stale ring left in the FIFO costs one extra turn (wait drains it)
-            ring.ctl[flag] = 1
-            _fence()
-            if ready():
-                ring.ctl[flag] = 0
-                return True
-            wait = self._wake
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    ring.ctl[flag] = 0
-                    return False
-                wait = min(wait, left)
-            bell.wait(wait)
-            ring.ctl[flag] = 0
-            if ready():
-                return True
-            check()
+        """:func:`~lamina.transport.shm_ring.wait_for` with this end's spin, wake interval and
+        fast path."""
+        return wait_for(ring, flag, bell, word, base, need, check, deadline,
+                        self._spin_s, self._wake, self._fast)
 
     def _check_rx(self) -> None:
         if self._closed:

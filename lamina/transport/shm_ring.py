@@ -17,10 +17,11 @@ import select
 import stat
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass, fields
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -304,3 +305,58 @@ def _release_rings(rings: list[_Ring], unlink: bool) -> None:
     for ring in rings:
         ring.release(unlink)
 
+
+def wait_for(ring: _Ring, flag: int, bell: _Doorbell, word: int, base: int, need: int,
+             check: Callable[[], None], deadline: float | None, spin_s: float, wake: float,
+             fast: Any) -> bool:
+    """Spin ``spin_s`` seconds (``inf``: for good), then block on ``bell`` until
+    ``ring.ctl[word] - base >= need``; False when ``deadline`` passed. ``check()`` runs every
+    ``wake`` seconds and raises to abort (closed / peer died). ``flag`` is this side's waiting
+    flag, which the other side reads before ringing. With ``fast`` (the C++ ring module) the
+    spin runs without the GIL."""
+    ctl = ring.ctl
+
+    def ready() -> bool:
+        return ctl[word] - base >= need
+    if ready():
+        return True
+    now = time.perf_counter()
+    spin_end, next_check = now + spin_s, now + wake
+    forever = spin_s == float("inf")
+    spins = 0
+    while now < spin_end:
+        if fast is not None:  # a C++ spin until the spin ends or the next check is due
+            budget = min(spin_end, next_check) - now
+            if fast.ring_wait(ring.ctl_addr, word, base, need, int(budget * 1e9),
+                              16 if forever else 0):
+                return True
+        else:
+            if ready():
+                return True
+            spins += 1
+            if forever and not spins & 1023:  # a core of our own: never sleep, but now and
+                os.sched_yield()  # then let a runnable thread (and our own, via the GIL) go
+        now = time.perf_counter()
+        if now >= next_check:
+            check()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            next_check = now + wake
+    while True:  # a stale ring left in the FIFO costs one extra turn (wait drains it)
+        ring.ctl[flag] = 1
+        _fence()
+        if ready():
+            ring.ctl[flag] = 0
+            return True
+        wait = wake
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ring.ctl[flag] = 0
+                return False
+            wait = min(wait, left)
+        bell.wait(wait)
+        ring.ctl[flag] = 0
+        if ready():
+            return True
+        check()
