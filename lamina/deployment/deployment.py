@@ -188,11 +188,7 @@ class Deployment(KVMoves):
                 inst.retry_at = time.monotonic() + REVIVE_S
                 log.warning("instance %d still cannot be restarted: %s", inst.inst_id, e)
                 continue
-            new.engine.adopt([], after=inst.engine)  # request ids go on past the old ones
-            if self.gmanager is not None:
-                self._lend(new)
-            self.instances[i] = new
-            self.recoveries += 1
+            self._install(inst, new, [])
             revived += 1
             log.warning("instance %d serves again", inst.inst_id)
         return revived
@@ -222,12 +218,17 @@ class Deployment(KVMoves):
         pending = [r for r in list(old.scheduler.running) + list(old.scheduler.waiting)
                    if not r.finished]
         self.recomputed_tokens += sum(r.num_computed for r in pending)  # KV lost with the node
-        new.engine.adopt(pending, after=old)
+        self._install(inst, new, pending)
+        return True
+
+    def _install(self, inst: Instance, new: Instance, pending: list[Request]) -> None:
+        """Put restarted ``new`` in broken ``inst``'s place; it adopts ``pending`` (request ids
+        go on past the old engine's)."""
+        new.engine.adopt(pending, after=inst.engine)
         if self.gmanager is not None:
             self._lend(new)
         self.instances[self.instances.index(inst)] = new
         self.recoveries += 1
-        return True
 
     def _fail(self, inst: Instance, error: BaseException, out: StepOutput) -> None:
         """Instance ``inst`` is broken: its requests end with ``error``, its loans are void."""
