@@ -23,7 +23,9 @@ step of every method per round, median over rounds).
 Methods: ``cpp`` (the C++ kernel, :mod:`lamina.kernels.cpp_ext`; the CPU default),
 ``torch_cpu`` (the torch path: sparse ops, :mod:`lamina.kernels.torch_sparse`),
 ``torch_batched`` (padded gather + bmm), ``reference`` (per-request loop; steps only, fewer
-rounds). ``torch_cpu / cpp`` and ``batched / cpp``: the other method's time over cpp's.
+rounds), and in the grid ``read``: one thread reading the same K/V rows in the same order with
+the kernel's prefetching and no arithmetic, the ceiling of this access pattern on one core.
+``torch_cpu / cpp`` and ``batched / cpp``: the other method's time over cpp's.
 On CUDA (32/8/128 bfloat16, same call repeated): ``triton``, ``sdpa_padded`` (contiguous, no
 paging) and ``torch_batched``.
 
@@ -193,6 +195,12 @@ def _cpu_rows(case: dict, t: dict, methods: dict, **key) -> list[dict]:
             for name in methods]
 
 
+def read_kv_rows(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, *rest) -> float:
+    """The grid's ceiling: one thread reads the same K and V rows in the same order, with the
+    kernel's software prefetch, and does no arithmetic (``read_kv_rows`` in the extension)."""
+    return cpp_ext.load().read_kv_rows(k_pool, v_pool, kv_indices)
+
+
 def run_cpu(steps: list, grid: list, warmup: int, reps: int, with_ref: bool,
             threads: list[int], grid_reps: int, budget: int = POOL_BUDGET) -> list[dict]:
     """Steps (allocator layout, float32) at every thread count in ``threads``; the grid
@@ -201,6 +209,7 @@ def run_cpu(steps: list, grid: list, warmup: int, reps: int, with_ref: bool,
     methods = dict(CPU_METHODS) if with_ref else {n: f for n, f in CPU_METHODS.items()
                                                   if n != "reference"}
     grid_methods = {n: f for n, f in methods.items() if n != "reference"}
+    grid_methods["read"] = read_kv_rows
     points = [("steps", r, lo, hi, "alloc", kind) for r, lo, hi, kind in steps]
     rows, default_threads = [], torch.get_num_threads()
     for i, (table, R, lo, hi, layout, kind) in enumerate(points):
@@ -229,7 +238,8 @@ def run_cpu(steps: list, grid: list, warmup: int, reps: int, with_ref: bool,
                 cpp = rows[-len(grid_methods)]
                 print(f"grid {cpp['dtype']} threads={nt} R={R} ctx={c}: cpp "
                       f"{cpp['gbps']:.1f} GB/s = {100 * cpp['frac_copy']:.0f}% of copy, "
-                      f"{cpp['vs_torch_cpu']:.2f}x torch_cpu", flush=True)
+                      f"{cpp['vs_torch_cpu']:.2f}x torch_cpu; read {rows[-1]['gbps']:.1f} GB/s",
+                      flush=True)
             torch.set_num_threads(default_threads)
             del case
     return rows
@@ -323,16 +333,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
     grid = [r for r in rows if r["table"] == "grid"]
     if grid and meta["device"] == "cpu":
         lines += ["", "## Uniform contexts, shuffled 16-token slabs: KV bytes/s vs copy bandwidth",
-                  "", "| dtype | threads | batch | ctx | KV MiB | copy GB/s | cpp GB/s | "
-                  "cpp % of copy | torch_cpu % of copy | batched % of copy | cpp / torch_cpu | "
-                  "cpp / batched |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "", "`read`: one thread reading the same rows in the same order with no "
+                  "arithmetic (the ceiling of this access pattern on one core).", "",
+                  "| dtype | threads | batch | ctx | KV MiB | copy GB/s | read GB/s | cpp GB/s | "
+                  "cpp % of copy | cpp % of read | torch_cpu % of copy | batched % of copy | "
+                  "cpp / torch_cpu | cpp / batched |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         keys = list(dict.fromkeys((r["dtype"], r["threads"], r["batch"], r["ctx"]) for r in grid))
         for key in keys:
             by = {r["method"]: r for r in grid
                   if (r["dtype"], r["threads"], r["batch"], r["ctx"]) == key}
             c = by["cpp"]
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {c['kv_mib']:.1f} | "
-                         f"{c['copy_gbps']:.1f} | {c['gbps']:.1f} | {100 * c['frac_copy']:.0f}% | "
+                         f"{c['copy_gbps']:.1f} | {by['read']['gbps']:.1f} | {c['gbps']:.1f} | "
+                         f"{100 * c['frac_copy']:.0f}% | {100 * c['gbps'] / by['read']['gbps']:.0f}% | "
                          f"{100 * by['torch_cpu']['frac_copy']:.0f}% | "
                          f"{100 * by['torch_batched']['frac_copy']:.0f}% | "
                          f"{c['vs_torch_cpu']:.2f}x | {c['vs_batched']:.2f}x |")

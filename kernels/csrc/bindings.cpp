@@ -12,6 +12,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q_positions, const at::Tensor& kv_start_pos, double scale, int64_t window,
     double softcap);
 std::string simd_features();
+double read_kv_rows(const at::Tensor& k_pool, const at::Tensor& v_pool,
+                    const at::Tensor& kv_indices);
 // skinny_linear_cpu.cpp
 at::Tensor pack_linear_weight(const at::Tensor& w);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
@@ -29,6 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "kv_start_pos, scale, window, softcap) -> (o, lse); window <= 0 / softcap <= 0: none",
         nogil);
   m.def("simd_features", &simd_features, "SIMD paths compiled in");
+  m.def("read_kv_rows", &read_kv_rows,
+        "read_kv_rows(k_pool, v_pool, kv_indices) -> a fold of the rows: the KV read alone (the kernel "
+        "bench's ceiling)", nogil);
   m.def("pack_linear_weight", &pack_linear_weight,
         "pack_linear_weight(w[N,K] float32|bfloat16) -> panels[ceil(N/32), K, 32]", nogil);
   m.def("skinny_linear", &skinny_linear,

@@ -15,9 +15,10 @@
 // torch.set_num_threads governs the thread count. When there are fewer items than threads can
 // share well, long items are split along the keys and merged by log-sum-exp afterwards.
 //
-// SIMD: AVX-512 intrinsics when the compiler targets them (-march=native on an AVX-512 CPU:
-// __AVX512F__, plus __AVX512BW__ for the bfloat16 widening), for head_dim a multiple of 16;
-// otherwise plain loops that the compiler vectorises for whatever -march allows.
+// SIMD: lamina_simd::Vec (simd.h), the widest vector the compiler targets (-march=native):
+// AVX-512 (16 lanes) or AVX2 + FMA (8 lanes), for head_dim a multiple of the lane count; the
+// same blocking sized to each one's registers. Otherwise plain loops that the compiler
+// vectorises for whatever -march allows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -50,63 +51,25 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-#if LAMINA_AVX512
-using lamina_simd::load16;
+#if LAMINA_SIMD
+using lamina_simd::Vec;
 
-// One vector whose lane i is the sum of the lanes of a[i] (a 16x16 transpose-and-add).
-inline __m512 reduce16(const __m512* a) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] of a[2i], a[2i+1]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit chunk: partial sums of a[4i .. 4i+3]
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(3, 1, 3, 1)));
+// Pads s[n : n rounded up to W) with -inf, so the loops below read whole vectors (s holds kBlock
+// entries, a multiple of W).
+inline int pad_block(float* s, int n) {
+  const int np = (n + Vec::W - 1) / Vec::W * Vec::W;
+  std::fill(s + n, s + np, kNegInf);
+  return np;
 }
-
-inline __m128 extract4(__m512 v, int i) {  // 128-bit chunk i (i < 4)
-  switch (i) {
-    case 0: return _mm512_extractf32x4_ps(v, 0);
-    case 1: return _mm512_extractf32x4_ps(v, 1);
-    case 2: return _mm512_extractf32x4_ps(v, 2);
-    default: return _mm512_extractf32x4_ps(v, 3);
-  }
-}
-
-// exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial, ~1 ulp.
-// Inputs below -87.3 (including -inf, the masked scores) give exactly 0.
-inline __m512 exp512(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
-}
+static_assert(kBlock % Vec::W == 0, "a block is whole vectors");
 #endif
 
-inline float block_max(const float* s, int n) {
-#if LAMINA_AVX512
-  __m512 mx = _mm512_set1_ps(kNegInf);
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), k, s + i));
-  }
-  return _mm512_reduce_max_ps(mx);
+inline float block_max(float* s, int n) {
+#if LAMINA_SIMD
+  const int np = pad_block(s, n);
+  Vec::R mx = Vec::set1(kNegInf);
+  for (int i = 0; i < np; i += Vec::W) mx = Vec::max(mx, Vec::load(s + i));
+  return Vec::hmax(mx);
 #else
   float mx = kNegInf;
   for (int i = 0; i < n; ++i) mx = std::max(mx, s[i]);
@@ -114,18 +77,19 @@ inline float block_max(const float* s, int n) {
 #endif
 }
 
-// p[i] = exp(s[i] - mx) for i < n; returns sum(p). s entries may be -inf (p = 0).
-inline float exp_sum(const float* s, float mx, float* p, int n) {
-#if LAMINA_AVX512
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 acc = _mm512_setzero_ps();
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    __m512 e = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), k, s + i), m));
-    _mm512_mask_storeu_ps(p + i, k, e);
-    acc = _mm512_add_ps(acc, e);
+// p[i] = exp(s[i] - mx) for i < n (p is written up to n rounded up to the vector width);
+// returns sum(p[0:n]). s entries may be -inf (p = 0).
+inline float exp_sum(float* s, float mx, float* p, int n) {
+#if LAMINA_SIMD
+  const int np = pad_block(s, n);
+  const Vec::R m = Vec::set1(mx);
+  Vec::R acc = Vec::zero();
+  for (int i = 0; i < np; i += Vec::W) {
+    const Vec::R e = Vec::exp_nonpos(Vec::sub(Vec::load(s + i), m));
+    Vec::store(p + i, e);
+    acc = Vec::add(acc, e);
   }
-  return _mm512_reduce_add_ps(acc);
+  return Vec::hsum(acc);
 #else
   float sum = 0.f;
   for (int i = 0; i < n; ++i) {
@@ -143,8 +107,8 @@ inline float exp_sum(const float* s, float mx, float* p, int n) {
 // heads of a token: contiguous bytes) with prefetcht1 stream at ~22 GB/s against ~15 GB/s
 // without software prefetch, ~10-12 GB/s reading one head's part of each row. Issuing a whole
 // block's prefetches at once stalls on the miss queue and leaves memory idle during the
-// arithmetic, so the next block's cache lines are spread evenly over the inner-loop
-// iterations ("ticks") of this block.
+// arithmetic, so the next block's cache lines are spread evenly over the inner-kernel calls
+// ("steps") of this block.
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // asm volatile: GCC drops __builtin_prefetch calls from inlined helpers it deems pure.
@@ -169,22 +133,20 @@ class Prefetcher {
  public:
   Prefetcher(const int64_t* klines, int nk, const int64_t* vlines, int nv)
       : kl_(klines), vl_(vlines), nk_(nk), nv_(nv) {}
-  // Starts on the next block (token bases k[0:n], v[0:n]), paced over `ticks` ticks; the unit
-  // of work is one token's K row or V row.
-  void start(const void* const* k, const void* const* v, int n, int64_t ticks) {
+  // Starts on the next block (token bases k[0:n], v[0:n]), paced over `steps` calls of step();
+  // the unit of work is one token's K row or V row.
+  void start(const void* const* k, const void* const* v, int n, int64_t steps) {
     flush();
-    k_ = k, v_ = v, units_ = 2 * n, next_ = 0;
-    burst_ = ticks > 0 ? static_cast<int>((units_ + ticks - 1) / ticks) : units_;
-    period_ = units_ > 0 ? std::max<int64_t>(1, ticks * burst_ / units_) : 1;
-    count_ = period_;
+    k_ = k, v_ = v, units_ = 2 * n, next_ = 0, done_ = 0;
+    steps_ = std::max<int64_t>(1, steps);
   }
-  __attribute__((always_inline)) inline void tick() {
-    if (--count_ == 0) {
-      count_ = period_;
-      issue(burst_);
-    }
+  // Issues this step's share of the block's prefetches (called between inner-kernel calls: a
+  // counter in the inner loops would be a store-to-load chain through memory on every key).
+  void step() {
+    ++done_;
+    issue(static_cast<int>(units_ * std::min(done_, steps_) / steps_) - next_);
   }
-  void flush() { issue(units_); }
+  void flush() { issue(units_ - next_); }
 
  private:
   inline void issue(int units) {
@@ -200,23 +162,21 @@ class Prefetcher {
   int nk_, nv_;
   const void* const* k_ = nullptr;
   const void* const* v_ = nullptr;
-  int units_ = 0, next_ = 0, burst_ = 1;
-  int64_t period_ = 1, count_ = 1;
+  int units_ = 0, next_ = 0;
+  int64_t steps_ = 1, done_ = 0;
 };
 
 // ------------------------------------------------------------------------------------------
 // Inner kernels over a block of nb keys for a register group of MG query vectors.
 // q: [MG][D] float32 (pre-scaled), row stride D. s/p: [MG][kBlock]. o: [MG][D] float32.
-// Key j's row is rows[j] + off. pf.tick() runs once per key in scores and once per (key,
-// 16-wide chunk) in accumulate: (1 + D/16) * nb ticks per call.
+// Key j's row is rows[j] + off.
 
 // Plain loops: any D, any -march.
 struct Generic {
   template <int MG, typename KT>
   static void scores(const float* q, int64_t D, const KT* const* rows, int64_t off, int nb,
-                     float* s, Prefetcher& pf) {
+                     float* s) {
     for (int j = 0; j < nb; ++j) {
-      pf.tick();
       const KT* k = rows[j] + off;
       for (int m = 0; m < MG; ++m) {
         const float* qm = q + m * D;
@@ -229,9 +189,8 @@ struct Generic {
   }
   template <int MG, typename KT>
   static void accumulate(float* o, int64_t D, const KT* const* rows, int64_t off, int nb,
-                         const float* p, Prefetcher& pf) {
+                         const float* p) {
     for (int j = 0; j < nb; ++j) {
-      for (int64_t c = 0; c < (D + 15) / 16; ++c) pf.tick();
       const KT* v = rows[j] + off;
       for (int m = 0; m < MG; ++m) {
         const float pm = p[m * kBlock + j];
@@ -243,78 +202,82 @@ struct Generic {
   }
 };
 
-#if LAMINA_AVX512
-// AVX-512, D = 16 * NC (NC = 0: taken from D at run time).
+#if LAMINA_SIMD
+// Vec (W float32 lanes), D = W * NC (NC = 0: taken from D at run time).
 template <int NC>
-struct Avx512 {
-  // Scores of MG queries against 4 keys at a time: MG * 4 accumulators, summed across lanes
-  // by one transposing reduction (45 shuffle/add ops per 16 dot products instead of ~8 each).
+struct Simd {
+  static constexpr int kKeys = Vec::W / kGroup;  // keys per step of scores (AVX-512 4, AVX2 2)
+
+  // Scores of MG <= kGroup queries against kKeys keys at a time: MG * kKeys accumulators,
+  // summed across lanes by one transposing reduction (W dot products per reduction instead of
+  // a horizontal sum each).
   template <int MG, typename KT>
   static void scores(const float* q, int64_t D, const KT* const* rows, int64_t off, int nb,
-                     float* s, Prefetcher& pf) {
-    static_assert(MG <= 4, "MG * 4 accumulators must fit in 16");
-    const int nc = NC > 0 ? NC : static_cast<int>(D / 16);
+                     float* s) {
+    static_assert(MG <= kGroup, "MG * kKeys accumulators must fit in one reduction");
+    const int nc = NC > 0 ? NC : static_cast<int>(D / Vec::W);
     int j = 0;
-    for (; j + 4 <= nb; j += 4) {
-      pf.tick();
-      pf.tick();
-      pf.tick();
-      pf.tick();
-      const KT* k[4] = {rows[j] + off, rows[j + 1] + off, rows[j + 2] + off, rows[j + 3] + off};
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (; j + kKeys <= nb; j += kKeys) {
+      const KT* k[kKeys];
+      for (int t = 0; t < kKeys; ++t) {
+        k[t] = rows[j + t] + off;
+      }
+      Vec::R acc[Vec::W];
+      for (int i = 0; i < Vec::W; ++i) acc[i] = Vec::zero();
       for (int c = 0; c < nc; ++c) {
-        __m512 kc[4];
-        for (int t = 0; t < 4; ++t) kc[t] = load16(k[t] + 16 * c);
+        Vec::R kc[kKeys];
+        for (int t = 0; t < kKeys; ++t) kc[t] = Vec::load(k[t] + Vec::W * c);
         for (int m = 0; m < MG; ++m) {
-          const __m512 qc = _mm512_loadu_ps(q + m * D + 16 * c);
-          for (int t = 0; t < 4; ++t) acc[m * 4 + t] = _mm512_fmadd_ps(qc, kc[t], acc[m * 4 + t]);
+          const Vec::R qc = Vec::load(q + m * D + Vec::W * c);
+          for (int t = 0; t < kKeys; ++t)
+            acc[m * kKeys + t] = Vec::fmadd(qc, kc[t], acc[m * kKeys + t]);
         }
       }
-      const __m512 sums = reduce16(acc);  // lane m * 4 + t: query m . key j + t
-      for (int m = 0; m < MG; ++m) _mm_storeu_ps(s + m * kBlock + j, extract4(sums, m));
+      alignas(64) float sums[Vec::W];  // lane m * kKeys + t: query m . key j + t
+      Vec::store(sums, Vec::reduce(acc));
+      for (int m = 0; m < MG; ++m)
+        for (int t = 0; t < kKeys; ++t) s[m * kBlock + j + t] = sums[m * kKeys + t];
     }
     for (; j < nb; ++j) {
-      pf.tick();
       const KT* k = rows[j] + off;
-      __m512 acc[MG];
-      for (int m = 0; m < MG; ++m) acc[m] = _mm512_setzero_ps();
+      Vec::R acc[MG];
+      for (int m = 0; m < MG; ++m) acc[m] = Vec::zero();
       for (int c = 0; c < nc; ++c) {
-        const __m512 kc = load16(k + 16 * c);
+        const Vec::R kc = Vec::load(k + Vec::W * c);
         for (int m = 0; m < MG; ++m)
-          acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(q + m * D + 16 * c), kc, acc[m]);
+          acc[m] = Vec::fmadd(Vec::load(q + m * D + Vec::W * c), kc, acc[m]);
       }
-      for (int m = 0; m < MG; ++m) s[m * kBlock + j] = _mm512_reduce_add_ps(acc[m]);
+      for (int m = 0; m < MG; ++m) s[m * kBlock + j] = Vec::hsum(acc[m]);
     }
   }
-  // o[m] += sum_j p[m][j] * v_j, CB 16-wide chunks of every query at a time (key-major inside
-  // a pass: MG * CB independent accumulators in registers, each V row read once per pass).
+  // o[m] += sum_j p[m][j] * v_j, CB W-wide chunks of every query at a time (key-major inside a
+  // pass: MG * CB independent accumulators in half the registers, each V row read once per
+  // pass).
   static constexpr int chunks_per_pass(int mg) {
     int cb = NC > 0 ? NC : 1;
-    while (cb > 1 && (mg * cb > 16 || NC % cb)) --cb;
+    while (cb > 1 && (mg * cb > Vec::kRegs / 2 || NC % cb)) --cb;
     return cb;
   }
   template <int MG, typename KT>
   static void accumulate(float* o, int64_t D, const KT* const* rows, int64_t off, int nb,
-                         const float* p, Prefetcher& pf) {
+                         const float* p) {
     constexpr int CB = chunks_per_pass(MG);
-    const int nc = NC > 0 ? NC : static_cast<int>(D / 16);
+    const int nc = NC > 0 ? NC : static_cast<int>(D / Vec::W);
     for (int c0 = 0; c0 < nc; c0 += CB) {
-      __m512 acc[MG][CB];
+      Vec::R acc[MG][CB];
       for (int m = 0; m < MG; ++m)
-        for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_loadu_ps(o + m * D + 16 * (c0 + c));
+        for (int c = 0; c < CB; ++c) acc[m][c] = Vec::load(o + m * D + Vec::W * (c0 + c));
       for (int j = 0; j < nb; ++j) {
-        for (int c = 0; c < CB; ++c) pf.tick();
-        const KT* v = rows[j] + off + 16 * c0;
-        __m512 pj[MG];
-        for (int m = 0; m < MG; ++m) pj[m] = _mm512_set1_ps(p[m * kBlock + j]);
+        const KT* v = rows[j] + off + Vec::W * c0;
+        Vec::R pj[MG];
+        for (int m = 0; m < MG; ++m) pj[m] = Vec::set1(p[m * kBlock + j]);
         for (int c = 0; c < CB; ++c) {
-          const __m512 vc = load16(v + 16 * c);
-          for (int m = 0; m < MG; ++m) acc[m][c] = _mm512_fmadd_ps(pj[m], vc, acc[m][c]);
+          const Vec::R vc = Vec::load(v + Vec::W * c);
+          for (int m = 0; m < MG; ++m) acc[m][c] = Vec::fmadd(pj[m], vc, acc[m][c]);
         }
       }
       for (int m = 0; m < MG; ++m)
-        for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o + m * D + 16 * (c0 + c), acc[m][c]);
+        for (int c = 0; c < CB; ++c) Vec::store(o + m * D + Vec::W * (c0 + c), acc[m][c]);
     }
   }
 };
@@ -323,30 +286,30 @@ struct Avx512 {
 // Kernel::scores / accumulate over M query vectors in register groups of up to kGroup.
 template <class Kernel, typename KT>
 void scores_all(const float* q, int M, int64_t D, const KT* const* rows, int64_t off, int nb,
-                float* s, Prefetcher& pf) {
+                float* s) {
   for (int m = 0; m < M; m += kGroup) {
     const float* qm = q + m * D;
     float* sm = s + m * kBlock;
     switch (std::min(kGroup, M - m)) {
-      case 4: Kernel::template scores<4>(qm, D, rows, off, nb, sm, pf); break;
-      case 3: Kernel::template scores<3>(qm, D, rows, off, nb, sm, pf); break;
-      case 2: Kernel::template scores<2>(qm, D, rows, off, nb, sm, pf); break;
-      default: Kernel::template scores<1>(qm, D, rows, off, nb, sm, pf);
+      case 4: Kernel::template scores<4>(qm, D, rows, off, nb, sm); break;
+      case 3: Kernel::template scores<3>(qm, D, rows, off, nb, sm); break;
+      case 2: Kernel::template scores<2>(qm, D, rows, off, nb, sm); break;
+      default: Kernel::template scores<1>(qm, D, rows, off, nb, sm);
     }
   }
 }
 
 template <class Kernel, typename KT>
 void accumulate_all(float* o, int M, int64_t D, const KT* const* rows, int64_t off, int nb,
-                    const float* p, Prefetcher& pf) {
+                    const float* p) {
   for (int m = 0; m < M; m += kGroup) {
     float* om = o + m * D;
     const float* pm = p + m * kBlock;
     switch (std::min(kGroup, M - m)) {
-      case 4: Kernel::template accumulate<4>(om, D, rows, off, nb, pm, pf); break;
-      case 3: Kernel::template accumulate<3>(om, D, rows, off, nb, pm, pf); break;
-      case 2: Kernel::template accumulate<2>(om, D, rows, off, nb, pm, pf); break;
-      default: Kernel::template accumulate<1>(om, D, rows, off, nb, pm, pf);
+      case 4: Kernel::template accumulate<4>(om, D, rows, off, nb, pm); break;
+      case 3: Kernel::template accumulate<3>(om, D, rows, off, nb, pm); break;
+      case 2: Kernel::template accumulate<2>(om, D, rows, off, nb, pm); break;
+      default: Kernel::template accumulate<1>(om, D, rows, off, nb, pm);
     }
   }
 }
@@ -475,8 +438,6 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
   const std::vector<int64_t> kl = row_lines(it.h0, it.nh, a.ks1, D, sizeof(KT));
   const std::vector<int64_t> vl = row_lines(it.h0, it.nh, a.vs1, D, sizeof(KT));
   Prefetcher pf(kl.data(), static_cast<int>(kl.size()), vl.data(), static_cast<int>(vl.size()));
-  const int64_t groups = (per_head + kGroup - 1) / kGroup;
-  const int64_t ticks_per_key = it.nh * groups * (1 + (D + 15) / 16);
   int buf = 0;
   if (it.j1 > it.j0) {
     const int nb = static_cast<int>(std::min<int64_t>(kBlock, it.j1 - it.j0));
@@ -491,7 +452,8 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
     const int nn = jn < it.j1 ? static_cast<int>(std::min<int64_t>(kBlock, it.j1 - jn)) : 0;
     if (nn && !rows(jn, nn, buf ^ 1)) return false;
     pf.start(reinterpret_cast<const void* const*>(krow[buf ^ 1]),
-             reinterpret_cast<const void* const*>(vrow[buf ^ 1]), nn, ticks_per_key * nb);
+             reinterpret_cast<const void* const*>(vrow[buf ^ 1]), nn,
+             it.nh * ((nb + kScoreKeys - 1) / kScoreKeys + (nb + kAccumulateKeys - 1) / kAccumulateKeys));
     const bool masked = j < all_lo || j + nb > all_hi;
     // Token-major over the block (a few keys at a time, all heads), so K and then V rows are
     // read in order, whole: measured ~25% faster than a pass per head over the block.
@@ -500,8 +462,9 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
       const int n = std::min(kScoreKeys, nb - j4);
       for (int64_t h = 0; h < it.nh; ++h) {
         const int64_t m0 = h * per_head;
+        pf.step();
         scores_all<Kernel>(sc.q.data() + m0 * D, mh, D, krow[buf] + j4, (it.h0 + h) * a.ks1, n,
-                           sc.s.data() + m0 * kBlock + j4, pf);
+                           sc.s.data() + m0 * kBlock + j4);
       }
     }
     for (int m = 0; m < M; ++m)
@@ -510,8 +473,9 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
       const int n = std::min(kAccumulateKeys, nb - j8);
       for (int64_t h = 0; h < it.nh; ++h) {
         const int64_t m0 = h * per_head;
+        pf.step();
         accumulate_all<Kernel>(sc.o.data() + m0 * D, mh, D, vrow[buf] + j8, (it.h0 + h) * a.vs1,
-                               n, sc.p.data() + m0 * kBlock + j8, pf);
+                               n, sc.p.data() + m0 * kBlock + j8);
       }
     }
   }
@@ -664,10 +628,10 @@ void run(const Args& a, int64_t R, QT* out, float* lse) {
 
 template <typename KT, typename IT, typename QT>
 void run_dispatch_simd(const Args& a, int64_t R, QT* out, float* lse) {
-#if LAMINA_AVX512
-  if (a.D == 64) return run<Avx512<4>, KT, IT, QT>(a, R, out, lse);
-  if (a.D == 128) return run<Avx512<8>, KT, IT, QT>(a, R, out, lse);
-  if (a.D % 16 == 0) return run<Avx512<0>, KT, IT, QT>(a, R, out, lse);
+#if LAMINA_SIMD
+  if (a.D == 64) return run<Simd<64 / Vec::W>, KT, IT, QT>(a, R, out, lse);
+  if (a.D == 128) return run<Simd<128 / Vec::W>, KT, IT, QT>(a, R, out, lse);
+  if (a.D % Vec::W == 0) return run<Simd<0>, KT, IT, QT>(a, R, out, lse);
 #endif
   run<Generic, KT, IT, QT>(a, R, out, lse);
 }
@@ -757,18 +721,53 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   return {o, lse};
 }
 
+// The read ceiling bench/kernels.py compares the kernel with: reads (and folds by max, so
+// nothing is optimised away) every K and V row of kv_indices[N] in order, whole rows, prefetching rows
+// kAhead indices ahead as the kernel does; no attention arithmetic. One thread.
+double read_kv_rows(const at::Tensor& k_pool, const at::Tensor& v_pool,
+                    const at::Tensor& kv_indices) {
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 &&
+                  k_pool.sizes() == v_pool.sizes() && k_pool.device().is_cpu(),
+              "read_kv_rows: contiguous CPU pools [S, Hkv, D] of one shape");
+  constexpr int64_t kAhead = 32;
+  const at::Tensor idx = as_long(kv_indices);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t n = idx.numel(), S = k_pool.size(0);
+  const int64_t row = k_pool.stride(0) * k_pool.element_size();  // bytes
+  const char* pools[2] = {static_cast<const char*>(k_pool.data_ptr()),
+                          static_cast<const char*>(v_pool.data_ptr())};
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < S, "read_kv_rows: slot outside the pool");
+  double total = 0.0;
+  for (const char* base : pools) {
+#if LAMINA_SIMD
+    Vec::R acc = Vec::zero();
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n)
+        for (int64_t b = 0; b < row; b += 64) prefetch_line(base + ip[i + kAhead] * row + b);
+      const float* r = reinterpret_cast<const float*>(base + ip[i] * row);
+      for (int64_t e = 0; e + Vec::W <= row / 4; e += Vec::W) acc = Vec::max(acc, Vec::load(r + e));
+    }
+    total += Vec::hmax(acc);
+#else
+    for (int64_t i = 0; i < n; ++i) {
+      const float* r = reinterpret_cast<const float*>(base + ip[i] * row);
+      for (int64_t e = 0; e < row / 4; ++e) total += r[e];
+    }
+#endif
+  }
+  return total;
+}
+
 std::string simd_features() {
   std::string f;
-#if LAMINA_AVX512
-  f += "avx512";
+#if LAMINA_SIMD
+  f += Vec::kName;
 #else
   f += "generic";
 #endif
 #if defined(__AVX512BF16__)
   f += " avx512bf16";
-#endif
-#if defined(__AVX2__)
-  f += " avx2";
 #endif
 #if defined(_OPENMP)
   f += " openmp";

@@ -11,8 +11,8 @@
 //   panel front to back, one cache line per k. float32 or bfloat16 (kept as bfloat16: half the
 //   bytes; widened to float32 exactly in registers).
 // * skinny_linear(x[M,K] float32, panels, N, bias?) -> y[M,N] float32: for each panel (threads
-//   split the panels: at::parallel_for), for each block of up to kMaxMR rows of x, kMR x kNR
-//   float32 accumulators live in registers; each step over k loads one panel row (kNR weights)
+//   split the panels: at::parallel_for), for each block of up to kMaxMR rows of x (12 with AVX-512, 3 with
+//   AVX2), kMR x kNR float32 accumulators live in registers; each step over k loads one panel row (kNR weights)
 //   and broadcasts one x value per row. The panel (K * kNR * 4 bytes <= 256 KB for K <= 2048)
 //   stays in L2 while the row blocks reuse it, so memory traffic is the weights once.
 //
@@ -29,41 +29,51 @@
 
 namespace {
 
-constexpr int64_t kNR = 32;   // output columns per panel (two AVX-512 vectors)
-constexpr int kMaxMR = 12;    // rows of x per register block (2 * 12 accumulators)
+constexpr int64_t kNR = 32;   // output columns per panel (two AVX-512 / four AVX2 vectors)
 
-#if LAMINA_AVX512
-using lamina_simd::load16;
+#if LAMINA_SIMD
+using lamina_simd::Vec;
+constexpr int kNV = kNR / Vec::W;  // vectors per panel row
+// Rows of x per register block: MR * kNV accumulators, plus the panel row and x broadcasts.
+constexpr int kMaxMR = Vec::kRegs == 32 ? 12 : 2;
 
 // y[m, 0:ncols] (+)= sum_k x[m, k] * panel[k, 0:ncols] for m < MR.
 template <int MR, typename W>
 inline void block(const float* x, int64_t ldx, const W* panel, int64_t K, float* y, int64_t ldy,
                   int64_t ncols, const float* bias) {
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  Vec::R acc[MR][kNV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNV; ++v) acc[m][v] = Vec::zero();
   for (int64_t k = 0; k < K; ++k) {
     const W* w = panel + k * kNR;
-    const __m512 w0 = load16(w), w1 = load16(w + 16);
+    Vec::R wv[kNV];
+    for (int v = 0; v < kNV; ++v) {
+      wv[v] = Vec::load(w + v * Vec::W);
+      // In a register, once: left alone, GCC folds the load into every row's FMA, and the
+      // loads, not the FMAs, then bound the loop.
+      asm("" : "+x"(wv[v]));
+    }
     for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
-      acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+      const Vec::R xv = Vec::set1(x[m * ldx + k]);
+      for (int v = 0; v < kNV; ++v) acc[m][v] = Vec::fmadd(xv, wv[v], acc[m][v]);
     }
   }
-  const __mmask16 lo = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 hi = ncols >= 32 ? 0xFFFF
-                       : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b0 = _mm512_maskz_loadu_ps(lo, bias);
-    b1 = _mm512_maskz_loadu_ps(hi, bias + 16);
-  }
+  alignas(64) float b[kNR] = {};
+  if (bias != nullptr) std::copy(bias, bias + ncols, b);
   for (int m = 0; m < MR; ++m) {
-    _mm512_mask_storeu_ps(y + m * ldy, lo, _mm512_add_ps(acc[m][0], b0));
-    _mm512_mask_storeu_ps(y + m * ldy + 16, hi, _mm512_add_ps(acc[m][1], b1));
+    if (ncols == kNR) {
+      for (int v = 0; v < kNV; ++v)
+        Vec::store(y + m * ldy + v * Vec::W, Vec::add(acc[m][v], Vec::load(b + v * Vec::W)));
+    } else {  // the last panel: only ncols columns exist
+      alignas(64) float row[kNR];
+      for (int v = 0; v < kNV; ++v) Vec::store(row + v * Vec::W, acc[m][v]);
+      for (int64_t j = 0; j < ncols; ++j) y[m * ldy + j] = row[j] + b[j];
+    }
   }
 }
 #else
+constexpr int kMaxMR = 12;
+
 template <int MR, typename W>
 inline void block(const float* x, int64_t ldx, const W* panel, int64_t K, float* y, int64_t ldy,
                   int64_t ncols, const float* bias) {

@@ -146,12 +146,26 @@ def test_merge_states_on_cpu_never_builds_the_extension(monkeypatch):
     assert torch.allclose(lse, torch.logsumexp(lses, 0)) and not calls
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
-def test_portable_loops_without_avx512():
-    """The plain-loop path (what a CPU without AVX-512 runs); builds a second variant (~40 s
-    the first time, cached after)."""
-    ext = cpp_ext.load(extra=("-mno-avx512f",))
-    assert ext is not None and "generic" in ext.simd_features()
+@pytest.mark.parametrize("flags,path", [
+    (("-mno-avx512f",), "avx2"),                         # what an AVX2-only CPU runs
+    (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "generic"),  # the plain loops
+], ids=["avx2", "generic"])
+def test_narrower_simd_paths(flags, path):
+    """The paths of CPUs narrower than this one: each builds a variant (~40 s the first time,
+    cached after) and must match the reference (attention) and float64 (linear)."""
+    if path == "avx2" and not (_cpu_has("avx2") and _cpu_has("fma")):
+        pytest.skip("this CPU has no AVX2 + FMA")
+    ext = cpp_ext.load(extra=flags)
+    assert ext is not None and ext.simd_features().split()[0] == path
     for seed, dtype in ((21, torch.float32), (22, torch.bfloat16)):
         case = random_case(seed, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype,
                            num_requests=(3, 8), max_q=12, window=50 if seed == 22 else None,
@@ -161,6 +175,10 @@ def test_portable_loops_without_avx512():
                                      int(spec.window or 0), float(spec.softcap or 0.0))
         ref_o, ref_lse = paged_attention_ref(*case.args())
         assert_matches(o, lse, ref_o, ref_lse, dtype)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(7, 96, generator=g), torch.randn(70, 96, generator=g)
+    y = ext.skinny_linear(x, ext.pack_linear_weight(w), 70, None)
+    assert torch.allclose(y.double(), x.double() @ w.double().T, atol=1e-4)
 
 
 def test_a_lock_left_by_a_dead_builder_does_not_hang_loads():
