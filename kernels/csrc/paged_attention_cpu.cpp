@@ -105,7 +105,8 @@ inline float exp_sum(float* s, float mx, float* p, int n) {
 //
 // Measured on Zen 4, one thread, 16-token slabs in random order: rows fetched whole (all KV
 // heads of a token: contiguous bytes) with prefetcht1 stream at ~22 GB/s against ~15 GB/s
-// without software prefetch, ~10-12 GB/s reading one head's part of each row. Issuing a whole
+// without software prefetch, ~10-12 GB/s reading one head's part of each row. On Zen 3 (AVX2),
+// batch 32 x 1024 float32: 6.4 GB/s with these prefetches, 4.4 without. Issuing a whole
 // block's prefetches at once stalls on the miss queue and leaves memory idle during the
 // arithmetic, so the next block's cache lines are spread evenly over the inner-kernel calls
 // ("steps") of this block.
