@@ -723,8 +723,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
 }
 
 // The read ceiling bench/kernels.py compares the kernel with: reads (and folds by max, so
-// nothing is optimised away) every K and V row of kv_indices[N] in order, whole rows, prefetching rows
-// kAhead indices ahead as the kernel does; no attention arithmetic. One thread.
+// nothing is optimised away) every K and V row of kv_indices[N] in order, whole rows,
+// prefetching rows kAhead indices ahead as the kernel does; no attention arithmetic. One
+// thread. Returns the max over the K rows' bytes read as float32 plus that over the V rows'
+// (with SIMD: the rows' whole vectors; n = 0: -inf).
 double read_kv_rows(const at::Tensor& k_pool, const at::Tensor& v_pool,
                     const at::Tensor& kv_indices) {
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 &&
@@ -742,7 +744,7 @@ double read_kv_rows(const at::Tensor& k_pool, const at::Tensor& v_pool,
   double total = 0.0;
   for (const char* base : pools) {
 #if LAMINA_SIMD
-    Vec::R acc = Vec::zero();
+    Vec::R acc = Vec::set1(kNegInf);
     for (int64_t i = 0; i < n; ++i) {
       if (i + kAhead < n)
         for (int64_t b = 0; b < row; b += 64) prefetch_line(base + ip[i + kAhead] * row + b);
@@ -751,10 +753,12 @@ double read_kv_rows(const at::Tensor& k_pool, const at::Tensor& v_pool,
     }
     total += Vec::hmax(acc);
 #else
+    float mx = kNegInf;
     for (int64_t i = 0; i < n; ++i) {
       const float* r = reinterpret_cast<const float*>(base + ip[i] * row);
-      for (int64_t e = 0; e < row / 4; ++e) total += r[e];
+      for (int64_t e = 0; e < row / 4; ++e) mx = std::max(mx, r[e]);
     }
+    total += mx;
 #endif
   }
   return total;

@@ -194,3 +194,18 @@ def test_a_lock_left_by_a_dead_builder_does_not_hang_loads():
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
     assert not stale.exists()
+
+
+def test_read_kv_rows_reads_exactly_the_indexed_rows():
+    """The kernel bench's read ceiling folds every indexed K and V row (max), and only those."""
+    ext = cpp_ext.load()
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(64, 3, 64, generator=g), torch.randn(64, 3, 64, generator=g)
+    idx = torch.randperm(64, generator=g)[:20]
+    k[idx[0]] += 100.0  # an indexed row holds the max of K
+    v[(set(range(64)) - set(idx.tolist())).pop()] += 1000.0  # an unread row must not count
+    want = k[idx].max().item() + v[idx].max().item()
+    assert ext.read_kv_rows(k, v, idx) == pytest.approx(want)
+    assert ext.read_kv_rows(k, v, idx.int()) == pytest.approx(want)
+    with pytest.raises(IndexError):
+        ext.read_kv_rows(k, v, torch.tensor([64]))
