@@ -6,8 +6,8 @@ peak. Two paths, best first:
 
 * **Packed C++ kernel** (``kernels/csrc/skinny_linear_cpu.cpp``): :func:`use_skinny_linear`
   packs each constant weight once into 32-column panels (``ext.pack_linear_weight``) and the
-  node calls ``ext.skinny_linear``, which keeps a 12 x 32 block of outputs in registers and
-  reads each weight once per call. Measured on this project's 2-core AVX-512 machine, one
+  node calls ``ext.skinny_linear``, which keeps a 12 x 32 block of outputs in registers (2 x
+  32 on an AVX2-only CPU) and reads each weight once per call. Measured on this project's 2-core AVX-512 machine, one
   thread: 2-4x ``F.linear`` at 1-16 rows (``bench/linear.py``). Float32 and bfloat16 weights
   (bfloat16 panels are half the bytes, widened in registers). Used when the C++ extension is
   available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy doubles the
