@@ -346,7 +346,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             c = by["cpp"]
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {c['kv_mib']:.1f} | "
                          f"{c['copy_gbps']:.1f} | {by['read']['gbps']:.1f} | {c['gbps']:.1f} | "
-                         f"{100 * c['frac_copy']:.0f}% | {100 * c['gbps'] / by['read']['gbps']:.0f}% | "
+                         f"{100 * c['frac_copy']:.0f}% | "
+                         f"{100 * c['gbps'] / by['read']['gbps']:.0f}% | "
                          f"{100 * by['torch_cpu']['frac_copy']:.0f}% | "
                          f"{100 * by['torch_batched']['frac_copy']:.0f}% | "
                          f"{c['vs_torch_cpu']:.2f}x | {c['vs_batched']:.2f}x |")

@@ -32,8 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("simd_features", &simd_features, "SIMD paths compiled in");
   m.def("read_kv_rows", &read_kv_rows,
-        "read_kv_rows(k_pool, v_pool, kv_indices) -> a fold of the rows: the KV read alone (the kernel "
-        "bench's ceiling)", nogil);
+        "read_kv_rows(k_pool, v_pool, kv_indices) -> a fold of the rows: the KV read alone "
+        "(the kernel bench's ceiling)", nogil);
   m.def("pack_linear_weight", &pack_linear_weight,
         "pack_linear_weight(w[N,K] float32|bfloat16) -> panels[ceil(N/32), K, 32]", nogil);
   m.def("skinny_linear", &skinny_linear,

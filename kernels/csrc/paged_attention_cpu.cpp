@@ -220,9 +220,7 @@ struct Simd {
     int j = 0;
     for (; j + kKeys <= nb; j += kKeys) {
       const KT* k[kKeys];
-      for (int t = 0; t < kKeys; ++t) {
-        k[t] = rows[j + t] + off;
-      }
+      for (int t = 0; t < kKeys; ++t) k[t] = rows[j + t] + off;
       Vec::R acc[Vec::W];
       for (int i = 0; i < Vec::W; ++i) acc[i] = Vec::zero();
       for (int c = 0; c < nc; ++c) {
@@ -452,9 +450,11 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
     const int64_t jn = j + kBlock;
     const int nn = jn < it.j1 ? static_cast<int>(std::min<int64_t>(kBlock, it.j1 - jn)) : 0;
     if (nn && !rows(jn, nn, buf ^ 1)) return false;
+    // One prefetch step per inner-kernel call below: per head, each scores and accumulate call.
+    const int64_t steps = it.nh * ((nb + kScoreKeys - 1) / kScoreKeys +
+                                   (nb + kAccumulateKeys - 1) / kAccumulateKeys);
     pf.start(reinterpret_cast<const void* const*>(krow[buf ^ 1]),
-             reinterpret_cast<const void* const*>(vrow[buf ^ 1]), nn,
-             it.nh * ((nb + kScoreKeys - 1) / kScoreKeys + (nb + kAccumulateKeys - 1) / kAccumulateKeys));
+             reinterpret_cast<const void* const*>(vrow[buf ^ 1]), nn, steps);
     const bool masked = j < all_lo || j + nb > all_hi;
     // Token-major over the block (a few keys at a time, all heads), so K and then V rows are
     // read in order, whole: measured ~25% faster than a pass per head over the block.

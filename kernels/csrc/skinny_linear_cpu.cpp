@@ -11,10 +11,11 @@
 //   panel front to back, one cache line per k. float32 or bfloat16 (kept as bfloat16: half the
 //   bytes; widened to float32 exactly in registers).
 // * skinny_linear(x[M,K] float32, panels, N, bias?) -> y[M,N] float32: for each panel (threads
-//   split the panels: at::parallel_for), for each block of up to kMaxMR rows of x (12 with AVX-512, 3 with
-//   AVX2), kMR x kNR float32 accumulators live in registers; each step over k loads one panel row (kNR weights)
-//   and broadcasts one x value per row. The panel (K * kNR * 4 bytes <= 256 KB for K <= 2048)
-//   stays in L2 while the row blocks reuse it, so memory traffic is the weights once.
+//   split the panels: at::parallel_for), for each block of up to kMaxMR rows of x (12 with
+//   AVX-512, 2 with AVX2), kMR x kNR float32 accumulators live in registers; each step over k
+//   loads one panel row (kNR weights) and broadcasts one x value per row. The panel
+//   (K * kNR * 4 bytes <= 256 KB for K <= 2048) stays in L2 while the row blocks reuse it, so
+//   memory traffic is the weights once.
 //
 // Accumulation is float32 in k order per output, as a naive loop would: results differ from
 // MKL/oneDNN only by float rounding.
