@@ -107,28 +107,6 @@ def _stream(llm, prompts, n_new: int):
     return toks, t_first or end, end
 
 
-def role_breakdown(spans, start_ns: int, end_ns: int) -> list[dict]:
-    """Seconds per stage for every (role, track) of a timeline, spans clipped to
-    ``[start_ns, end_ns]``: compute ``dense``/``transfer``/``idle``, memory
-    ``attention``/``idle`` (see the module docstring)."""
-    kinds = {"compute": {"slice": "dense", "send": "transfer", "recv": "transfer"},
-             "memory": {"attend": "attention"}}
-    tracks: dict[tuple[str, int], dict[str, float]] = {}
-    for sp in spans:
-        kind = kinds.get(sp.role, {}).get(sp.name.split()[0])
-        lo, hi = max(sp.start_ns, start_ns), min(sp.end_ns, end_ns)
-        t = tracks.setdefault((sp.role, sp.track), {})
-        if kind is not None and hi > lo:
-            t[kind] = t.get(kind, 0.0) + (hi - lo) / 1e9
-    wall = (end_ns - start_ns) / 1e9
-    out = []
-    for (role, track), t in sorted(tracks.items()):
-        busy = sum(t.values())
-        out.append({"role": f"{role} {track}", **{k: round(v, 4) for k, v in t.items()},
-                    "idle": round(max(0.0, wall - busy), 4), "wall": round(wall, 4)})
-    return out
-
-
 def run_lamina(model: str, setup: str, dtype: str, prompts, new_tokens: int, repeats: int,
                trace: Path | None) -> dict:
     n = len(prompts)
@@ -147,7 +125,7 @@ def run_lamina(model: str, setup: str, dtype: str, prompts, new_tokens: int, rep
                 llm.timeline.spans.clear()
                 toks, t0, t1 = _stream(llm, prompts, new_tokens + 1)
                 if best is None or t1 - t0 < best[2] - best[1]:
-                    best = (toks, t0, t1, role_breakdown(llm.timeline.spans, t0, t1))
+                    best = (toks, t0, t1, llm.timeline.stage_seconds(t0, t1))
             if trace is None:
                 llm.timeline.spans.clear()  # nothing to save
     finally:

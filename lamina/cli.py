@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"] and "--plan" in argv:  # the planner has its own arguments
         from lamina.costmodel.planner import plan_main
         return plan_main([a for a in argv[1:] if a != "--plan"])
+    if argv[:1] == ["plan"] and "--calibrate" in argv:  # measures this machine: its own arguments
+        from lamina.benchmark.calibrate import main as calibrate_main
+        return calibrate_main([a for a in argv[1:] if a != "--calibrate"])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -69,3 +69,27 @@ class Timeline:
                    if s.role == role and s.track == track
                    and (not names or s.name.startswith(names)))
         return busy / max(t1 - t0, 1)
+
+    # span name prefix -> stage, per role (the rest of a track's wall time is "idle")
+    STAGES = {"compute": {"slice": "dense", "send": "transfer", "recv": "transfer"},
+              "memory": {"attend": "attention"}}
+
+    def stage_seconds(self, start_ns: int, end_ns: int) -> list[dict]:
+        """Seconds per stage for every (role, track), spans clipped to ``[start_ns, end_ns]``:
+        compute ``dense`` (slices and sampling) and ``transfer`` (building and sending ATTENDs,
+        merging results), memory ``attention`` (ATTEND kernels), and each track's ``idle`` (the
+        rest of the window) and ``wall``. One dict per track, ``role`` = ``"compute 0"`` ..."""
+        tracks: dict[tuple[str, int], dict[str, float]] = {}
+        for sp in self.spans:
+            kind = self.STAGES.get(sp.role, {}).get(sp.name.split()[0])
+            lo, hi = max(sp.start_ns, start_ns), min(sp.end_ns, end_ns)
+            t = tracks.setdefault((sp.role, sp.track), {})
+            if kind is not None and hi > lo:
+                t[kind] = t.get(kind, 0.0) + (hi - lo) / 1e9
+        wall = (end_ns - start_ns) / 1e9
+        out = []
+        for (role, track), t in sorted(tracks.items()):
+            busy = sum(t.values())
+            out.append({"role": f"{role} {track}", **{k: round(v, 6) for k, v in t.items()},
+                        "idle": round(max(0.0, wall - busy), 6), "wall": round(wall, 6)})
+        return out

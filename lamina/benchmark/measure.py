@@ -183,7 +183,11 @@ def run_grid_cell(llm, cell: GridCell, system: str, capacity: int) -> GridPoint:
         engine.forget(r.req_id)
         if r.error is not None:
             raise RuntimeError(f"{system}: grid request failed: {r.error}")
-    first_full = next(i for i, (_, n) in enumerate(steps) if n == cell.batch)
+    first_full = next((i for i, (_, n) in enumerate(steps) if n == cell.batch), None)
+    if first_full is None:
+        raise ValueError(f"{system}: no step decoded all {cell.batch} requests of {cell.context} tokens: "
+                         f"the first finished its {cell.new_tokens} tokens before the last prompt was "
+                         "prefilled (raise --max-num-batched-tokens or --new-tokens)")
     decode = [(dt, n) for dt, n in steps[first_full + 1:] if n == cell.batch]
     if not decode:  # new_tokens == 2: the only full step also finished the prefill
         decode = steps[first_full:first_full + 1]

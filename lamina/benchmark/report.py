@@ -6,8 +6,12 @@ Plots (matplotlib, Agg):
   context length (grid cells that do not fit are left out);
 * ``latency_breakdown.png``: each system's wall time on the trace split into compute,
   attention, network and idle (Lamina Fig. 14);
-* ``throughput_per_dollar.png``: the cost model's estimated tokens/s/$ against context
-  length for homogeneous and offloaded deployments of the same model (Lamina Fig. 1).
+* ``throughput_per_dollar.png``: estimated tokens/s/$ against context length of the best
+  homogeneous and the best offloaded plan that the constrained planner
+  (:mod:`lamina.costmodel.search`, ``lamina plan``) finds within the report's limits.
+
+``report.md`` also lists the top constrained plans at one context (``--plan-context``), each
+with its bottleneck, as ``lamina plan`` prints them.
 """
 from __future__ import annotations
 
@@ -18,25 +22,28 @@ from pathlib import Path
 from typing import Any
 
 from lamina.benchmark.measure import GridPoint, RunResult
-from lamina.costmodel.model import Infeasible, ModelSpec
+from lamina.costmodel.constraints import Constraints
 from lamina.costmodel.hardware import Device
-from lamina.costmodel.planner import best_homogeneous, best_per_dollar
+from lamina.costmodel.model import ModelSpec
+from lamina.costmodel.plan_cli import as_dict
+from lamina.costmodel.search import Candidate, binding_message, search
 
 COMPONENTS = ("compute", "attention", "network", "idle")
 
 
 @dataclass
 class CostPoint:
-    """Cost-model estimate of one deployment at one context length."""
+    """The planner's best homogeneous or best offloaded plan at one context length, within the
+    report's constraints (:func:`lamina.costmodel.search.search`)."""
 
-    deployment: str
-    compute: str
-    memory: str  # "" when homogeneous
-    offloaded: bool
     context: int
-    throughput: float
-    cost_usd: float
-    per_dollar: float
+    offloaded: bool
+    deployment: str  # e.g. "1 x H100 + 53 x Arc-A770"
+    throughput: float  # tokens/s
+    usd: float
+    per_dollar: float  # tokens/s per USD of devices
+    usd_per_mtok: float
+    tbt_ms: float
     bottleneck: str
 
 
@@ -51,45 +58,56 @@ class BenchReport:
     capacity: dict[str, int] = field(default_factory=dict)
     fits: dict[str, dict[int, int]] = field(default_factory=dict)
     cost: list[CostPoint] = field(default_factory=list)
+    plans: list[dict] = field(default_factory=list)  # top constrained plans (plan_cli.as_dict)
+    plan_note: str = ""  # model, context and constraints of ``plans``, or why there are none
 
     def to_dict(self) -> dict:
         return {"config": self.config, "trace": [r.to_dict() for r in self.trace],
                 "grid": [g.to_dict() for g in self.grid], "capacity": self.capacity,
                 "largest_batch": {s: {str(c): b for c, b in v.items()} for s, v in self.fits.items()},
-                "cost": [asdict(c) for c in self.cost]}
+                "cost": [asdict(c) for c in self.cost], "plans": self.plans, "plan_note": self.plan_note}
 
 
-def cost_curves(model: ModelSpec, contexts: list[int], compute: list[Device],
-                memory: list[Device]) -> list[CostPoint]:
-    """tokens/s/$ estimates: each compute device alone (best tensor-parallel size) and with
-    each memory device (best memory count), at every context; infeasible points are skipped."""
+def _point(context: int, p: Candidate) -> CostPoint:
+    e = p.est
+    name = f"{e.n_compute} x {e.compute.name}" + (f" + {e.n_memory} x {e.memory.name}" if e.memory else "")
+    return CostPoint(context, not p.homogeneous, name, p.throughput, p.usd, p.throughput / p.usd,
+                     p.usd_per_mtok, p.tbt * 1e3, p.bottleneck)
+
+
+def cost_curves(model: ModelSpec, contexts: list[int], c: Constraints,
+                catalog: dict[str, Device]) -> list[CostPoint]:
+    """Per context: the best homogeneous and the best offloaded plan the constrained planner
+    finds (either may be missing when nothing of its kind fits)."""
+    computes = [d for d in catalog.values() if d.can("compute")]
+    memories = [d for d in catalog.values() if d.can("memory")]
     out = []
     for ctx in contexts:
-        for comp in compute:
-            ests = [best_homogeneous(model, comp, ctx)]
-            for mem in memory:
-                try:
-                    ests.append(best_per_dollar(model, comp, mem, ctx))
-                except Infeasible:
-                    pass
-            for e in ests:
-                if e is not None:
-                    out.append(CostPoint(e.label(), e.compute.name, e.memory.name if e.memory else "",
-                                         e.memory is not None, ctx, e.throughput,
-                                         e.cost_usd, e.per_dollar, e.bottleneck))
+        res = search(model, computes, memories, ctx, c)
+        best_off = next((p for p in res.plans if not p.homogeneous), None)
+        out += [_point(ctx, p) for p in (res.baseline, best_off) if p is not None]
     return out
 
 
-def best_pairs(points: list[CostPoint]) -> list[tuple[CostPoint, CostPoint | None]]:
-    """Per (context, compute device): the homogeneous point and the offloaded point with the
-    highest tokens/s/$ (None if no offloaded deployment fits)."""
-    out = []
-    for key in dict.fromkeys((p.context, p.compute) for p in points):
-        homo = [p for p in points if (p.context, p.compute) == key and not p.offloaded]
-        off = [p for p in points if (p.context, p.compute) == key and p.offloaded]
-        if homo:
-            out.append((homo[0], max(off, key=lambda p: p.per_dollar) if off else None))
-    return out
+def top_plans(model: ModelSpec, context: int, c: Constraints, catalog: dict[str, Device],
+              top: int) -> tuple[list[dict], str]:
+    """The ``top`` best constrained plans at ``context`` (plus the homogeneous baseline) as
+    ``lamina plan --json`` rows, or no rows and the binding constraint."""
+    res = search(model, [d for d in catalog.values() if d.can("compute")],
+                 [d for d in catalog.values() if d.can("memory")], context, c)
+    if not res.plans:
+        return [], binding_message(res, c)
+    rows = res.plans[:top]
+    if res.baseline is not None and res.baseline not in rows:
+        rows.append(res.baseline)
+    return [as_dict(p, res.baseline) for p in rows], ""
+
+
+def best_pairs(points: list[CostPoint]) -> list[tuple[int, CostPoint | None, CostPoint | None]]:
+    """Per context: (context, homogeneous point or None, offloaded point or None)."""
+    return [(ctx, next((p for p in points if p.context == ctx and not p.offloaded), None),
+             next((p for p in points if p.context == ctx and p.offloaded), None))
+            for ctx in dict.fromkeys(p.context for p in points)]
 
 
 def _fmt(x: float, nd: int = 1) -> str:
@@ -143,17 +161,31 @@ def markdown(rep: BenchReport) -> str:
         for s, v in rep.fits.items():
             lines.append(f"| {s} | {rep.capacity.get(s, 0):,} | " + " | ".join(str(b) for b in v.values()) + " |")
         lines.append("")
+    if rep.plans or rep.plan_note:
+        lines += [f"## Top plans (cost model; {rep.config.get('plan_summary', 'no model to plan for')})", ""]
+        if rep.plans:
+            lines += ["| # | compute | memory | batch | mb/pipeline | tok/s | TBT ms | USD | $/Mtok "
+                      "| vs homogeneous | bottleneck |", "|---" * 11 + "|"]
+            for i, p in enumerate(rep.plans, 1):
+                mem = f"{p['memory']['count']} x {p['memory']['kind']}" if p["memory"] else "-"
+                lines.append(f"| {i}{'*' if p['homogeneous'] else ''} | {p['compute']['count']} x "
+                             f"{p['compute']['kind']} | {mem} | {p['batch']} | {p['micro_batches']}/"
+                             f"{p['pipeline']} | {_fmt(p['throughput_tok_s'], 0)} | {p['tbt_ms']:.1f} | "
+                             f"{_fmt(p['usd'], 0)} | {p['usd_per_mtok']:.4g} | "
+                             f"{p.get('vs_homogeneous', float('nan')):.2f}x | {p['bottleneck']} |")
+            lines += ["", "`*` homogeneous baseline; $/Mtok = device capex over 3 years of 24/7 decoding."]
+        else:
+            lines.append(rep.plan_note)
+        lines.append("")
     if rep.cost:
-        lines += ["## Estimated throughput per $ (cost model: bf16, MFU(B) curve, catalog prices)", "",
-                  "Best homogeneous deployment of each compute device against its best offloaded "
-                  "one (memory device and count chosen for tokens/s/$); every pair is in `results.json`.", "",
-                  "| context | homogeneous | tok/s/$ | offloaded | tok/s/$ | advantage | bottleneck |",
-                  "|---|---|---|---|---|---|---|"]
-        for h, o in best_pairs(rep.cost):
-            adv = f"{o.per_dollar / h.per_dollar:.2f}x" if o else "n/a"
-            lines.append(f"| {h.context} | {h.deployment} | {h.per_dollar:.4g} | "
-                         f"{o.deployment if o else 'none fits'} | {o.per_dollar if o else math.nan:.4g} | "
-                         f"{adv} | {o.bottleneck if o else h.bottleneck} |")
+        lines += ["## Throughput per $ vs context (cost model, same constraints)", "",
+                  "| context | homogeneous | tok/s/$ | bottleneck | offloaded | tok/s/$ | bottleneck | advantage |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for ctx, h, o in best_pairs(rep.cost):
+            adv = f"{o.per_dollar / h.per_dollar:.2f}x" if o and h else "n/a"
+            lines.append(f"| {ctx} | {h.deployment if h else 'none fits'} | {h.per_dollar if h else math.nan:.4g} | "
+                         f"{h.bottleneck if h else '-'} | {o.deployment if o else 'none fits'} | "
+                         f"{o.per_dollar if o else math.nan:.4g} | {o.bottleneck if o else '-'} | {adv} |")
         lines.append("")
     plots = [name for name, has_data, _ in PLOTS if has_data(rep)]
     lines += [f"Plots: {', '.join(f'`{n}`' for n in plots) or 'none'}; raw numbers: `results.json`.", ""]
@@ -183,16 +215,13 @@ def _latency_breakdown(rep: BenchReport, ax) -> None:
 
 
 def _throughput_per_dollar(rep: BenchReport, ax) -> None:
-    pairs = best_pairs(rep.cost)
-    for comp in dict.fromkeys(h.compute for h, _ in pairs):
-        homo = sorted((h.context, h.per_dollar) for h, _ in pairs if h.compute == comp)
-        off = sorted((o.context, o.per_dollar) for h, o in pairs if h.compute == comp and o)
-        line, = ax.plot(*zip(*homo), marker="o", label=f"{comp} alone")
-        if off:
-            ax.plot(*zip(*off), marker="s", ls="--", color=line.get_color(),
-                    label=f"{comp} + best memory device")
+    for offloaded, label, style in ((False, "homogeneous (best plan)", "o-"),
+                                    (True, "offloaded (best plan)", "s--")):
+        pts = sorted((p.context, p.per_dollar) for p in rep.cost if p.offloaded == offloaded)
+        if pts:
+            ax.plot(*zip(*pts), style, label=label)
     ax.set(xlabel="context length (tokens)", ylabel="estimated tokens/s per $",
-           title="Throughput per $ (cost model)")
+           title="Throughput per $ (constrained plans)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.grid(alpha=0.3)

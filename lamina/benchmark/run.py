@@ -30,9 +30,9 @@ from tqdm.auto import tqdm
 
 from lamina.benchmark.workloads import TRACE_KINDS
 from lamina.cli_args import add_deployment_args, config_from_args
+from lamina.costmodel.constraints import Constraints, parse_bandwidth, parse_duration
 
 COST_CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768]
-COST_COMPUTE = ["H100", "A100-80G"]
 
 
 def add_parser(sub) -> None:
@@ -54,6 +54,16 @@ def add_parser(sub) -> None:
                    help="KV budget of the homogeneous baseline (default: --kv-cache-gb)")
     b.add_argument("--trace", metavar="FILE.json", default=None,
                    help="write a Chrome/Perfetto timeline of the Lamina system's run")
+    g = b.add_argument_group("cost report (the planner, as `lamina plan`; no weights involved)")
+    g.add_argument("--plan-model", help="model to plan for (default: --model)")
+    g.add_argument("--plan-context", type=int, default=4096, help="context of the top-plans table")
+    g.add_argument("--cost-contexts", type=int, nargs="+", default=COST_CONTEXTS,
+                   help="contexts of the throughput-per-$ curve")
+    g.add_argument("--max-devices", type=int, default=64, help="compute + memory devices per plan")
+    g.add_argument("--devices-per-node", type=int, default=8)
+    g.add_argument("--tbt-slo", type=parse_duration, help="time between tokens, e.g. 100ms")
+    g.add_argument("--nic", type=parse_bandwidth, help="network per device, e.g. 200Gbps")
+    g.add_argument("--top", type=int, default=5, help="plans in the table")
     add_deployment_args(b, placement="procs", memory=2)
     b.set_defaults(func=cmd_bench)
 
@@ -76,15 +86,17 @@ def _machine(device: str) -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     from lamina.llm import LLM
     from lamina.benchmark.measure import hf_grid_cell, hf_trace, run_grid_cell, run_trace
-    from lamina.costmodel.model import ModelSpec, PRESETS
     from lamina.costmodel.hardware import load_catalog
+    from lamina.costmodel.plan_cli import resolve_model
     from lamina.models import ModelLoadError, load_model
-    from lamina.benchmark.report import BenchReport, cost_curves, markdown, write_report
+    from lamina.benchmark.report import BenchReport, cost_curves, markdown, top_plans, write_report
     from lamina.benchmark.workloads import grid, synthetic_trace
 
     try:
         _check(args)
         cells = grid(args.batches, args.contexts, args.new_tokens) if args.batches else []
+        limits = Constraints(max_devices=args.max_devices, devices_per_node=args.devices_per_node,
+                             nic_bw=args.nic, tbt_slo=args.tbt_slo)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -126,7 +138,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if trace:
                 rep.trace.append(run_trace(llm, trace, name, parallel_nodes=llm.config.instance.placement != "inproc"))
             for cell in tqdm(cells, desc=f"{name} grid", unit="cell", leave=False):
-                rep.grid.append(run_grid_cell(llm, cell, name, cap))
+                try:
+                    rep.grid.append(run_grid_cell(llm, cell, name, cap))
+                except ValueError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
         phases.update(1)
     if "hf" in args.baselines:
         phases.set_postfix_str("hf")
@@ -135,18 +151,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
             rep.trace.insert(0, hf_trace(model, trace, pad, args.max_num_seqs))
         for cell in tqdm(cells, desc="hf grid", unit="cell", leave=False):
             rep.grid.append(hf_grid_cell(model, cell, pad, vocab))
-        cfg = model.config
         phases.update(1)
-    else:
-        cfg = None
     phases.close()
-    spec = PRESETS.get(str(args.model).lower())
-    if spec is None and cfg is not None:
-        spec = ModelSpec.from_hf_config(cfg, name=str(args.model), dtype_bytes=2)
-    if spec is not None:
+    try:  # the cost report plans for the model's shapes in bf16, as `lamina plan` does
+        spec = resolve_model(args.plan_model or args.model)
+    except (ValueError, ImportError) as e:
+        rep.plan_note = f"no cost report: {e}"
+    else:
         catalog = load_catalog()
-        rep.cost = cost_curves(spec, COST_CONTEXTS, [catalog[n] for n in COST_COMPUTE if n in catalog],
-                               [d for d in catalog.values() if d.can("memory")])
+        rep.config["plan_summary"] = (
+            f"{spec.name}, context {args.plan_context}, at most {args.max_devices} devices, "
+            f"{args.devices_per_node} per node" + (f", TBT <= {args.tbt_slo * 1e3:g} ms" if args.tbt_slo else "")
+            + (f", NIC {args.nic * 8 / 1e9:g} Gbit/s" if args.nic else ""))
+        rep.plans, rep.plan_note = top_plans(spec, args.plan_context, limits, catalog, args.top)
+        rep.cost = cost_curves(spec, args.cost_contexts, limits, catalog)
     paths = write_report(rep, args.report)
     print(markdown(rep))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import cached_property
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Union
@@ -52,37 +53,37 @@ class ModelSpec:
         if self.heads % self.kv_heads:
             raise ValueError(f"model {self.name!r}: heads={self.heads} not a multiple of kv_heads={self.kv_heads}")
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         """Weights of one layer: q, k, v, o projections + gate, up, down (norms ignored)."""
         d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         return d * q + 2 * d * kv + q * d + 3 * d * self.intermediate
 
-    @property
+    @cached_property
     def params(self) -> int:
         """Stored parameters: layers + embedding (+ separate LM head unless tied)."""
         return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
 
-    @property
+    @cached_property
     def weight_bytes(self) -> int:
         return self.params * self.dtype_bytes
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters multiplied per token (layers + LM head; the embedding is a lookup)."""
         return self.layers * self.layer_params + self.vocab * self.hidden
 
-    @property
+    @cached_property
     def flops_per_token(self) -> int:
         """Dense (non-attention) FLOP per token: 2 per multiply-accumulate."""
         return 2 * self.active_params
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token over all layers: 2 (k and v) * L * Hkv * D * e."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
-    @property
+    @cached_property
     def transfer_bytes_per_token(self) -> int:
         """Bytes crossing the network per token per step: L * e * (q + k + v + attn_out)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim

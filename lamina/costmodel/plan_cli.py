@@ -85,6 +85,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="hardware YAML merged over the builtin configs/hardware.yaml (repeatable)")
     ap.add_argument("--json", action="store_true", help="machine-readable list of plans")
     ap.add_argument("--top", type=int, default=5, help="plans to show (plus the homogeneous baseline)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="instead: fit the model to this machine and check it against measured "
+                         "`lamina bench` runs (see `lamina plan --calibrate --help`)")
 
 
 def as_dict(p: Candidate, baseline: Candidate | None) -> dict:

@@ -63,7 +63,9 @@ def test_lamina_bench_cli_writes_report_with_baselines(folder, tmp_path, capsys)
     out = tmp_path / "rep"
     rc = main(["bench", "--model", folder, "--workload", "mixed", "--requests", "5", "--rate", "50",
                "--scale", "0.02", "--batches", "1", "2", "--contexts", "8", "--new-tokens", "3",
-               "--placement", "inproc", "--kv-cache-gb", "2e-5", "--report", str(out)])
+               "--placement", "inproc", "--kv-cache-gb", "2e-5", "--report", str(out),
+               "--plan-model", "llama-13b", "--plan-context", "4096", "--cost-contexts", "1024", "8192",
+               "--max-devices", "16", "--tbt-slo", "100ms"])
     assert rc == 0
     names = {p.name for p in out.iterdir()}
     assert {"report.md", "results.json", "throughput_vs_batch.png", "latency_breakdown.png",
@@ -75,9 +77,15 @@ def test_lamina_bench_cli_writes_report_with_baselines(folder, tmp_path, capsys)
         (s, b) for s in ("lamina", "homogeneous", "hf") for b in (1, 2)}
     assert res["capacity"]["lamina"] == 2 * res["capacity"]["homogeneous"]  # 2 nodes vs 1
     ctx = res["cost"]
-    assert any(c["offloaded"] for c in ctx) and any(not c["offloaded"] for c in ctx)
+    assert {(c["context"], c["offloaded"]) for c in ctx} == {(1024, True), (1024, False), (8192, True),
+                                                             (8192, False)}
+    plans = res["plans"]  # the constrained planner's top plans, as `lamina plan --json`
+    assert plans and any(p["homogeneous"] for p in plans) and any(not p["homogeneous"] for p in plans)
+    for p in plans:
+        assert sum(p["devices"].values()) <= 16 and p["tbt_ms"] <= 100 and p["bottleneck"]
     md = (out / "report.md").read_text()
     assert "| lamina | 5/5 |" in md and "Largest batch that fits" in md
+    assert "## Top plans" in md and "at most 16 devices" in md and "Throughput per $ vs context" in md
     assert "wrote" in capsys.readouterr().out
 
 
@@ -87,6 +95,16 @@ def test_lamina_bench_cli_errors(folder, tmp_path, capsys):
     assert "pipeline 'none'" in capsys.readouterr().err
     assert main(["bench", "--model", str(tmp_path / "missing"), "--report", str(tmp_path)]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_bench_report_says_which_constraint_binds_when_no_plan_fits(folder, tmp_path):
+    out = tmp_path / "rep"
+    assert main(["bench", "--model", folder, "--workload", "grid", "--batches", "1", "--contexts", "8",
+                 "--new-tokens", "2", "--placement", "inproc", "--kv-cache-gb", "2e-5",
+                 "--baselines", "--report", str(out), "--plan-model", "llama-65b",
+                 "--cost-contexts", "1024", "--max-devices", "1"]) == 0
+    md = (out / "report.md").read_text()
+    assert "no plan meets all constraints; binding: --max-devices" in md
 
 
 def test_lamina_bench_plan(capsys):
