@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 160], metavar=("MIN", "MAX"))
     ap.add_argument("--memory", type=int, default=2, help="memory nodes for both Lamina modes")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--memory-device", default=None,
+                    help="memory nodes' device (default: --device); e.g. --device cuda:0 "
+                         "--memory-device cpu is NEO's layout: dense on the GPU, KV and attention on CPU")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
@@ -88,7 +91,7 @@ def main() -> None:
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer else 0
     pad = pad if pad is not None else 0
     # every prompt of a batch prefills in one step, so all requests decode in lockstep
-    kw = dict(device=args.device, max_num_seqs=max(args.batches),
+    kw = dict(device=args.device, memory_device=args.memory_device, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(args.batches) * args.prompt_len[1])
     llms = {"lamina-inproc": LLM(args.model, memory=args.memory, placement="inproc", **kw),
             "lamina-procs": LLM(args.model, memory=args.memory, placement="procs", **kw)}
@@ -122,6 +125,7 @@ def main() -> None:
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     meta = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
             "prompt_len": args.prompt_len, "memory_nodes": args.memory, "device": args.device,
+            "memory_device": args.memory_device or args.device,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine()}
     out = Path(args.out)

@@ -61,6 +61,8 @@ from lamina.types import AttentionSpec  # noqa: E402
 STEPS = [(r, lo, hi, "decode") for r in (16, 32, 64) for lo, hi in ((16, 184), (100, 500))] \
     + [(16, 16, 184, "chunk"), (16, 16, 160, "prompts")]
 FULL_GRID = [(b, c) for b in (1, 8, 32, 64) for c in (256, 1024, 4096)]
+# GPU: batch 1..256 x context 512..32k (cells whose KV and its copies do not fit are skipped)
+CUDA_GRID = [(b, c) for b in (1, 8, 32, 64, 128, 256) for c in (512, 2048, 8192, 32768)]
 QUICK_STEPS, QUICK_GRID = [(16, 16, 184, "decode"), (16, 16, 184, "chunk")], [(32, 1024)]
 SLAB = 16  # tokens per slab of the grid's slot layout
 GRID_DTYPES = (torch.float32, torch.bfloat16)
@@ -256,12 +258,28 @@ def _sdpa_padded(q, kc, vc, spec):
         return lambda: sdpa(qh, k2, v2, scale=spec.scale)
 
 
+def device_peak_bw() -> float | None:
+    """The GPU's spec memory bandwidth in bytes/s (2 x memory clock x bus width, from cupy's
+    device properties), or None without cupy."""
+    try:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(torch.cuda.current_device())
+        return 2 * props["memoryClockRate"] * 1e3 * props["memoryBusWidth"] / 8
+    except Exception:  # noqa: BLE001 - MBU is then reported against the copy only
+        return None
+
+
 def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
-    """Triton vs SDPA on a contiguous copy vs torch_batched; the same call repeated."""
+    """Triton vs SDPA on a contiguous copy vs torch_batched; the same call repeated. ``mbu``:
+    KV bytes/s over the device's spec bandwidth (:func:`device_peak_bw`)."""
     from lamina.kernels.triton_attention import paged_attention_triton
     heads, kv_heads, head_dim, dtype = SHAPES["cuda"]
+    peak = device_peak_bw()
+    free = torch.cuda.mem_get_info()[0]
     rows = []
     for batch, ctx in grid:
+        if 5 * 2 * batch * ctx * kv_heads * head_dim * torch.finfo(dtype).bits // 8 > 0.8 * free:
+            continue  # pools, their contiguous copies and the copy probe would not fit
         torch.manual_seed(0)
         spec, S = _spec(heads, kv_heads, head_dim), batch * ctx
         kp = torch.randn(S, kv_heads, head_dim, device="cuda", dtype=dtype)
@@ -299,6 +317,7 @@ def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
                                  kv_mib=kv_bytes / 2**20,
                                  time_ms=t * 1e3, gbps=kv_bytes / t / 1e9,
                                  copy_gbps=copy_bw / 1e9, frac_copy=kv_bytes / t / copy_bw,
+                                 mbu=kv_bytes / t / peak if peak else float("nan"),
                                  vs_batched=med["torch_batched"] / t))
         del kp, vp, kc, vc, src, dst, fns, args
         torch.cuda.empty_cache()
@@ -354,11 +373,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
     elif grid:
         lines += ["", "## Uniform contexts, random slot permutation", "",
                   "| batch | ctx | KV MiB | method | ms | GB/s | copy GB/s | % of copy | "
-                  "x batched |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+                  "MBU (% of spec) | x batched |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in grid:
+            mbu = r.get("mbu", float("nan"))
             lines.append(f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | {r['method']} | "
                          f"{r['time_ms']:.3f} | {r['gbps']:.1f} | {r['copy_gbps']:.1f} | "
-                         f"{100 * r['frac_copy']:.0f}% | {r['vs_batched']:.2f}x |")
+                         f"{100 * r['frac_copy']:.0f}% | "
+                         f"{'n/a' if mbu != mbu else f'{100 * mbu:.0f}%'} | {r['vs_batched']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -389,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     if device == "cuda":
         import triton
         meta["triton"] = triton.__version__
-        rows = run_cuda(QUICK_GRID if a.quick else FULL_GRID, a.warmup, a.reps)
+        rows = run_cuda(QUICK_GRID if a.quick else CUDA_GRID, a.warmup, a.reps)
     else:
         threads = a.threads or list(dict.fromkeys([torch.get_num_threads(), 1]))
         meta["step_threads"] = threads

@@ -28,7 +28,8 @@ def add_deployment_args(p: argparse.ArgumentParser, placement: str, memory: int 
                    help=f"where the roles run: inproc (one process), procs (a process each), "
                         f"ray (an actor each) (default: {placement})")
     g.add_argument("--transport", default=_I.transport, choices=TRANSPORTS,
-                   help="links between roles out of process: auto = shm on one host, tcp across hosts")
+                   help="links between roles out of process: auto = shm on one host, tcp across "
+                        "hosts; rdma = RDMA WRITE rings (needs pyverbs and an RDMA device)")
     g.add_argument("--address", help="ray: join this Ray cluster (default: start a local one)")
     g.add_argument("--device", default=_I.device, help="compute replica device")
     g.add_argument("--memory-device", help="memory node device (default: --device)")

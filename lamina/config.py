@@ -13,7 +13,7 @@ from lamina.device import Device, default_cores, parse, split
 from lamina.engine.scheduler import SchedulerConfig
 
 PLACEMENTS = ("inproc", "procs", "ray")
-TRANSPORTS = ("auto", "shm", "tcp")
+TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class InstanceConfig:
 
     ``device`` / ``memory_device``: ``cpu``, ``cpu:N``, ``cpu:A-B`` (the cores the role owns:
     it pins itself to them and runs that many threads), ``cuda:N`` (:mod:`lamina.device`).
-    ``transport`` picks the links between roles out of process (``auto``: shm on one host,
+    ``transport`` picks the links between roles out of process (``rdma``: RC queue pairs via
+    pyverbs, refused at construction where pyverbs or a device is missing; ``auto``: shm on one host,
     tcp across hosts); ``num_threads`` is the torch thread count of a role that owns no cores;
     ``spin``: a memory node alone on its cores (one instance per host) polls its replicas' shm
     links instead of sleeping on them (replicas never poll: their cores run the slices)."""
@@ -81,6 +82,11 @@ class InstanceConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got "
                              f"{self.transport!r}")
+        if self.transport == "rdma":  # refused at start, never a silent fallback
+            from lamina.transport.rdma import unavailable
+            why = unavailable()
+            if why is not None:
+                raise ValueError(why)
         parse(self.device)
         parse(self.node_device)
 

@@ -1,11 +1,11 @@
 """The shared-memory pieces under :class:`~lamina.transport.shm.ShmChannel`: channel specs,
-one-direction byte rings in POSIX shared-memory segments, and their doorbell FIFOs.
+one-direction byte rings in POSIX shared-memory segments (the ring protocol's memory,
+:class:`~lamina.transport.ring.RingMemory`, with both ends mapping one segment), and their
+doorbell FIFOs.
 
-Segment layout: a 4096-byte control block of u64 words (each on its own 64-byte line) then
-``capacity`` data bytes. ``head``/``tail`` count bytes written/consumed since creation (the
-writer owns ``head``, the reader ``tail``; position = count % capacity); each side's
-"waiting" flag, "closed" flag and pid live there too. Naming, attaching and unlinking rules are
-in :mod:`lamina.transport.shm`'s docstring.
+Segment layout: the protocol's (:mod:`lamina.transport.ring`): a 4096-byte control block of
+u64 words then ``capacity`` data bytes; each side's pid lives in the block too. Naming,
+attaching and unlinking rules are in :mod:`lamina.transport.shm`'s docstring.
 """
 from __future__ import annotations
 
@@ -16,35 +16,26 @@ import re
 import select
 import stat
 import tempfile
-import threading
-import time
 from dataclasses import asdict, dataclass, fields
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from lamina.transport.base import ChannelClosed
+from lamina.transport.ring import CAP as _CAP
+from lamina.transport.ring import CTL_BYTES as _CTL_BYTES
+from lamina.transport.ring import MAGIC as _MAGIC
+from lamina.transport.ring import RING_MAGIC as _RING_MAGIC
+from lamina.transport.ring import Bell, RingMemory
 
 try:  # attach without registering with multiprocessing's resource tracker (see _Ring)
     import _posixshmem
 except ImportError:  # pragma: no cover - not POSIX
     _posixshmem = None
 
-_CTL_BYTES = 4096
-# control words (u64 index; x8 = byte offset): one 64-byte line each
-_HEAD, _TAIL, _R_WAIT, _W_WAIT, _W_CLOSED, _R_CLOSED, _W_PID, _R_PID, _MAGIC, _CAP = \
-    0, 8, 16, 24, 32, 40, 48, 56, 64, 72
-_RING_MAGIC = int.from_bytes(b"LMNARING", "little")
-_FENCE_LOCK = threading.Lock()
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,200}")
-
-
-def _fence() -> None:
-    """Full memory barrier (a locked read-modify-write inside the lock implementation)."""
-    _FENCE_LOCK.acquire()
-    _FENCE_LOCK.release()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -137,7 +128,7 @@ class ShmChannelSpec:
         return cls(**d)
 
 
-class _Doorbell:
+class _Doorbell(Bell):
     """A named FIFO opened read-write and non-blocking: ``ring`` writes a byte, ``wait`` polls
     for one (and drains), ``drain`` drops pending rings."""
 
@@ -190,8 +181,9 @@ class _Doorbell:
                 pass
 
 
-class _Ring:
-    """A mapped ring segment: ``ctl`` (u64 control words), ``data`` (bytes) and doorbells."""
+class _Ring(RingMemory):
+    """A mapped ring segment: ``ctl`` (u64 control words), ``data`` (bytes) and doorbells. Both
+    ends map the same segment: ``store`` is a plain store, ``publish`` nothing."""
 
     def __init__(self, spec: RingSpec, create: bool) -> None:
         self.spec = spec
@@ -304,59 +296,3 @@ class _Ring:
 def _release_rings(rings: list[_Ring], unlink: bool) -> None:
     for ring in rings:
         ring.release(unlink)
-
-
-def wait_for(ring: _Ring, flag: int, bell: _Doorbell, word: int, base: int, need: int,
-             check: Callable[[], None], deadline: float | None, spin_s: float, wake: float,
-             fast: Any) -> bool:
-    """Spin ``spin_s`` seconds (``inf``: for good), then block on ``bell`` until
-    ``ring.ctl[word] - base >= need``; False when ``deadline`` passed. ``check()`` runs every
-    ``wake`` seconds and raises to abort (closed / peer died). ``flag`` is this side's waiting
-    flag, which the other side reads before ringing. With ``fast`` (the C++ ring module) the
-    spin runs without the GIL."""
-    ctl = ring.ctl
-
-    def ready() -> bool:
-        return ctl[word] - base >= need
-    if ready():
-        return True
-    now = time.perf_counter()
-    spin_end, next_check = now + spin_s, now + wake
-    forever = spin_s == float("inf")
-    spins = 0
-    while now < spin_end:
-        if fast is not None:  # a C++ spin until the spin ends or the next check is due
-            budget = min(spin_end, next_check) - now
-            if fast.ring_wait(ring.ctl_addr, word, base, need, int(budget * 1e9),
-                              16 if forever else 0):
-                return True
-        else:
-            if ready():
-                return True
-            spins += 1
-            if forever and not spins & 1023:  # a core of our own: never sleep, but now and
-                os.sched_yield()  # then let a runnable thread (and our own, via the GIL) go
-        now = time.perf_counter()
-        if now >= next_check:
-            check()
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            next_check = now + wake
-    while True:  # a stale ring left in the FIFO costs one extra turn (wait drains it)
-        ring.ctl[flag] = 1
-        _fence()
-        if ready():
-            ring.ctl[flag] = 0
-            return True
-        wait = wake
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                ring.ctl[flag] = 0
-                return False
-            wait = min(wait, left)
-        bell.wait(wait)
-        ring.ctl[flag] = 0
-        if ready():
-            return True
-        check()

@@ -52,7 +52,7 @@ def test_triton_paged_attention_matches_reference(case_id):
     assert_matches(o, lse, ref_o, ref_lse, dtype)
 
 
-@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("head_dim", [24, 64, 128])
 def test_triton_head_dims(head_dim):
     """A non-power-of-two head dim (padded to 32) and a typical one, with splitting."""
     case = random_case(head_dim, num_heads=6, num_kv_heads=2, head_dim=head_dim,

@@ -1,8 +1,10 @@
 """One conformance suite for every Channel backend (DESIGN.md §5).
 
-Backends: ``local`` (in-process queue), ``shm_thread`` / ``shm_process`` (shared-memory rings)
-and ``tcp_thread`` / ``tcp_process`` (a TCP connection over loopback), each with the peer in a
-thread of this process or in a real ``spawn`` child. The peer echoes every message
+Backends: ``local`` (in-process queue), ``shm_thread`` / ``shm_process`` (shared-memory rings),
+``tcp_thread`` / ``tcp_process`` (a TCP connection over loopback), each with the peer in a
+thread of this process or in a real ``spawn`` child, and ``rdma_thread`` (the same ring
+protocol over RDMA WRITEs: two QPs on one HCA), skipped with the reason where pyverbs or an
+RDMA device is missing. The peer echoes every message
 (tests/transport/shm_peers.py). Expected values come from the test itself (the tensors it sent,
 bytes it built with ``struct`` from the documented layout), never from the code under test.
 """
@@ -19,6 +21,7 @@ import torch
 
 from lamina.transport import (ChannelClosed, Message, MsgKind, PeerDied, ShmChannel, WireError,
                               codec, local_pair, shm_pair)
+from lamina.transport import rdma
 from lamina.transport.tcp import TcpChannel, TcpListener
 from lamina.transport.wire import encode_bytes
 from lamina.types import AttendMsg, AttendResult, KVChunk, NodeStats, PrepareMsg, ShardWork
@@ -29,8 +32,8 @@ from wire_cases import MALFORMED, MALFORMED_MATCH, assert_same
 # path; shm_mixed_thread: one end each (the bytes on the wire are the same).
 SHM_THREAD = {"shm_thread": (None, None), "shm_py_thread": (False, False),
               "shm_mixed_thread": (None, False)}
-BACKENDS = ["local", *SHM_THREAD, "shm_process", "tcp_thread", "tcp_process"]
-STREAM_BACKENDS = [*SHM_THREAD, "shm_process", "tcp_thread", "tcp_process"]  # byte streams
+BACKENDS = ["local", *SHM_THREAD, "shm_process", "tcp_thread", "tcp_process", "rdma_thread"]
+STREAM_BACKENDS = [*SHM_THREAD, "shm_process", "tcp_thread", "tcp_process", "rdma_thread"]  # byte streams
 N_FRESH = 24  # dedicated (breakable) channels served by each spawned peer
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.float64, torch.int16, torch.int8]
@@ -136,6 +139,11 @@ def _thread_link(backend: str):
         fast_a, fast_b = SHM_THREAD[backend]
         a = ShmChannel.create(8 << 20, fast=fast_a)
         b = ShmChannel.attach(a.spec, fast=fast_b)
+    elif backend == "rdma_thread":
+        why = rdma.unavailable()
+        if why is not None:
+            pytest.skip(why)
+        a, b = rdma.rdma_pair(8 << 20)
     else:
         a, b = tcp_pair()
     t = threading.Thread(target=serve_one, args=(b,), daemon=True)

@@ -1,0 +1,108 @@
+"""The report of ``scripts/gpu-check.sh``: one JSON and one markdown table from its folder.
+
+Reads what the script's steps wrote (``environment.txt``, ``<step>.log``/``.rc``,
+``kernels_cuda.json``, ``gpu_memory/e2e_cuda.json``, ``cpu_memory/e2e_cuda.json``) and writes
+``gpu_check.json`` and ``gpu_check.md`` next to them. Targets (README "Hardware"): Triton decode
+MBU >= 85 % of the device's spec bandwidth on H100 (judged on the cells with batch >= 32 and
+context >= 2048, where the KV read dominates); CUDA graphs removing launch overhead at batch
+<= 32 (not implemented yet: reported as such, never as a measurement).
+
+    python bench/gpu_report.py bench/results/gpu_check
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+STEPS = ("pytest_gpu", "kernels", "e2e_gpu_memory", "e2e_cpu_memory")
+MBU_TARGET = 0.85
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [x for x in path.read_text().splitlines() if x.strip()]
+    except OSError:
+        return "not run"
+    return lines[-1] if lines else "empty"
+
+
+def summarise(d: Path) -> dict:
+    """Everything the report says, as plain data."""
+    out: dict = {"environment": (d / "environment.txt").read_text().strip()
+                 if (d / "environment.txt").exists() else "unknown", "steps": {}}
+    for s in STEPS:
+        rc = (d / f"{s}.rc").read_text().strip() if (d / f"{s}.rc").exists() else "not run"
+        out["steps"][s] = {"rc": rc, "last_line": _last_line(d / f"{s}.log")}
+    k = _read_json(d / "kernels_cuda.json")
+    if k:
+        tri = [r for r in k["rows"] if r.get("method") == "triton"]
+        big = [r for r in tri if r["batch"] >= 32 and float(r["ctx"]) >= 2048]
+        mbus = [r["mbu"] for r in big if not math.isnan(r.get("mbu", math.nan))]
+        out["kernels"] = {
+            "cells": [{k2: r[k2] for k2 in ("batch", "ctx", "gbps", "frac_copy", "mbu", "time_ms")}
+                      for r in tri],
+            "mbu_median_large": statistics.median(mbus) if mbus else None,
+            "mbu_target": MBU_TARGET,
+            "met": bool(mbus) and statistics.median(mbus) >= MBU_TARGET}
+    for layout in ("gpu_memory", "cpu_memory"):
+        e = _read_json(d / layout / "e2e_cuda.json")
+        if e:
+            out[f"e2e_{layout}"] = [{k2: r.get(k2) for k2 in ("batch", "system", "tok_per_s",
+                                                              "ms_per_token", "vs_hf")}
+                                    for r in e["rows"]]
+    out["cuda_graphs"] = "not implemented: the dense slices run eagerly (no capture yet)"
+    return out
+
+
+def markdown(s: dict) -> str:
+    lines = ["# GPU check", "", "```", s["environment"], "```", "", "| step | exit | last line |",
+             "|---|---|---|"]
+    lines += [f"| {k} | {v['rc']} | {v['last_line'][:120]} |" for k, v in s["steps"].items()]
+    k = s.get("kernels")
+    if k:
+        lines += ["", "## Triton decode attention (bf16, 32/8/128)", "",
+                  "| batch | ctx | GB/s | % of copy | MBU |", "|---:|---:|---:|---:|---:|"]
+        for r in k["cells"]:
+            mbu = r["mbu"]
+            lines.append(f"| {r['batch']} | {r['ctx']} | {r['gbps']:.0f} | {100 * r['frac_copy']:.0f}% | "
+                         f"{'n/a' if mbu != mbu else f'{100 * mbu:.0f}%'} |")
+        med = k["mbu_median_large"]
+        lines += ["", f"Median MBU at batch >= 32, ctx >= 2048: "
+                      f"{'n/a' if med is None else f'{100 * med:.0f}%'} (target {100 * MBU_TARGET:.0f}%: "
+                      f"{'met' if k['met'] else 'missed'})."]
+    for layout, title in (("gpu_memory", "memory nodes on the GPU"), ("cpu_memory", "memory nodes on the CPU (NEO)")):
+        rows = s.get(f"e2e_{layout}")
+        if rows:
+            lines += ["", f"## Decode, compute on the GPU, {title}", "",
+                      "| batch | system | tok/s | ms/token | vs HF |", "|---:|---|---:|---:|---:|"]
+            for r in rows:
+                vs = r.get("vs_hf")
+                lines.append(f"| {r['batch']} | {r['system']} | {r['tok_per_s']:.1f} | "
+                             f"{r['ms_per_token']:.2f} | {'-' if vs is None else f'{vs:.2f}x'} |")
+    lines += ["", f"CUDA graphs: {s['cuda_graphs']}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    d = Path(argv[0] if argv else "bench/results/gpu_check")
+    s = summarise(d)
+    (d / "gpu_check.json").write_text(json.dumps(s, indent=1))
+    md = markdown(s)
+    (d / "gpu_check.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

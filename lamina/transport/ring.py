@@ -1,0 +1,411 @@
+"""The one-sided ring protocol every byte-ring link speaks (shared memory today, RDMA where a
+device exists), over a small memory primitive.
+
+Protocol. One single-producer/single-consumer byte ring per direction: a 4096-byte control
+block of u64 words (each on its own 64-byte line) then ``capacity`` data bytes. ``head`` and
+``tail`` count bytes written and consumed since creation (position = count % capacity); the
+writer owns ``head`` and each side's "waiting" and "closed" flags are written by that side
+only. Free space (the writer's credits) is ``capacity - (head - tail)``. Messages are encoded
+with :mod:`lamina.transport.wire` and *streamed*: the writer copies what fits and waits for
+space, the reader feeds what is there to a :class:`~lamina.transport.stream.StreamDecoder`,
+so a message of any size passes through a ring of any capacity.
+
+Primitive (:class:`RingMemory`, one direction as one end sees it). Every end reads only its
+*local* copy of the block; it changes the peer's view with two calls:
+
+* ``store(word, value)``: set a control word here and at the peer;
+* ``publish(start, end)``: make data bytes ``[start, end)`` (stream counts) written into the
+  local copy visible at the peer.
+
+Shared memory maps one segment at both ends, so ``store`` is a plain store and ``publish``
+nothing (:class:`~lamina.transport.shm_ring._Ring`). RDMA keeps a registered copy at each end
+and turns both into RDMA WRITEs on a reliable-connected queue pair, which delivers them in
+order: data before the ``head`` that announces it (:mod:`lamina.transport.rdma`). Waiting:
+spin, then a doorbell where the memory has one (shm: a FIFO), else a short sleep between polls.
+
+The C++ fast path (:mod:`lamina.transport.shm_fast`) encodes into and decodes out of the local
+copy by address; the channel then publishes what it wrote. Both paths write the same bytes.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Sequence
+
+from lamina.transport.base import Channel, ChannelClosed, PeerDied
+from lamina.transport.stream import StreamDecoder
+from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError, WireLimits,
+                                   decode_kind, decode_meta, encode, encode_meta)
+
+CTL_BYTES = 4096
+# control words (u64 index; x8 = byte offset): one 64-byte line each
+HEAD, TAIL, R_WAIT, W_WAIT, W_CLOSED, R_CLOSED, W_PID, R_PID, MAGIC, CAP = \
+    0, 8, 16, 24, 32, 40, 48, 56, 64, 72
+RING_MAGIC = int.from_bytes(b"LMNARING", "little")
+_FENCE_LOCK = threading.Lock()
+_KINDS = frozenset(int(k) for k in MsgKind)
+_EMPTY, _SLOW_PATH = 0, 2  # ring_recv's statuses: nothing there / leave it to the decoder
+
+
+def fence() -> None:
+    """Full memory barrier (a locked read-modify-write inside the lock implementation)."""
+    _FENCE_LOCK.acquire()
+    _FENCE_LOCK.release()
+
+
+class Bell(ABC):
+    """A wake-up: ``ring`` tells the peer's sleeper to look again, ``wait`` sleeps until rung
+    or ``timeout`` seconds passed."""
+
+    @abstractmethod
+    def ring(self) -> None: ...
+
+    @abstractmethod
+    def wait(self, timeout: float) -> None: ...
+
+
+class PollBell(Bell):
+    """No doorbell: the sleeper re-polls every ``interval`` seconds (RDMA: nothing can wake
+    a thread on the far host but the memory it polls)."""
+
+    def __init__(self, interval: float = 50e-6) -> None:
+        self.interval = interval
+
+    def ring(self) -> None:
+        pass
+
+    def wait(self, timeout: float) -> None:
+        time.sleep(min(timeout, self.interval))
+
+
+class RingMemory(ABC):
+    """One direction's ring as one end sees it: ``ctl`` (u64 words) and ``data`` (bytes) are
+    this end's copy, ``ctl_addr``/``data_addr`` their addresses (for the C++ fast path), and
+    ``data_bell``/``space_bell`` the wake-ups for "data arrived" and "space freed".
+    ``mirrored``: writes must be published to reach the peer (False: one shared mapping)."""
+
+    capacity: int
+    ctl: memoryview
+    data: memoryview
+    ctl_addr: int
+    data_addr: int
+    data_bell: Bell
+    space_bell: Bell
+    mirrored: bool = False
+
+    def store(self, word: int, value: int) -> None:
+        """Set control word ``word`` here and at the peer."""
+        self.ctl[word] = value
+
+    def publish(self, start: int, end: int) -> None:  # noqa: B027 - shared mapping: nothing
+        """Make data bytes ``[start, end)`` (stream counts, ``end - start <= capacity``)
+        visible at the peer."""
+
+    @abstractmethod
+    def release(self, unlink: bool) -> None:
+        """Unmap / deregister; ``unlink``: the creator also removes what names the ring."""
+
+
+def wait_for(ring: RingMemory, flag: int, bell: Bell, word: int, base: int, need: int,
+             check: Callable[[], None], deadline: float | None, spin_s: float, wake: float,
+             fast: Any) -> bool:
+    """Spin ``spin_s`` seconds (``inf``: for good), then block on ``bell`` until
+    ``ring.ctl[word] - base >= need``; False when ``deadline`` passed. ``check()`` runs every
+    ``wake`` seconds and raises to abort (closed / peer died). ``flag`` is this side's waiting
+    flag, which the other side reads before ringing. With ``fast`` (the C++ ring module) the
+    spin runs without the GIL."""
+    ctl = ring.ctl
+
+    def ready() -> bool:
+        return ctl[word] - base >= need
+    if ready():
+        return True
+    now = time.perf_counter()
+    spin_end, next_check = now + spin_s, now + wake
+    forever = spin_s == float("inf")
+    spins = 0
+    while now < spin_end:
+        if fast is not None:  # a C++ spin until the spin ends or the next check is due
+            budget = min(spin_end, next_check) - now
+            if fast.ring_wait(ring.ctl_addr, word, base, need, int(budget * 1e9),
+                              16 if forever else 0):
+                return True
+        else:
+            if ready():
+                return True
+            spins += 1
+            if forever and not spins & 1023:  # a core of our own: never sleep, but now and
+                os.sched_yield()  # then let a runnable thread (and our own, via the GIL) go
+        now = time.perf_counter()
+        if now >= next_check:
+            check()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            next_check = now + wake
+    while True:  # a stale ring left in the FIFO costs one extra turn (wait drains it)
+        ring.store(flag, 1)
+        fence()
+        if ready():
+            ring.store(flag, 0)
+            return True
+        wait = wake
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ring.store(flag, 0)
+                return False
+            wait = min(wait, left)
+        bell.wait(wait)
+        ring.store(flag, 0)
+        if ready():
+            return True
+        check()
+
+
+class RingChannel(Channel):
+    """One end of a duplex link of two rings (``tx`` written here, ``rx`` read here) speaking
+    the protocol of this module. Subclasses set up the memory and say whether the peer lives
+    (:meth:`peer_alive`), and may tidy up on every liveness check (:meth:`_on_check`) and at
+    close (:meth:`_release`).
+
+    ``spin_us``: busy-poll time before blocking. ``wake_interval``: seconds between checks of
+    the closed flags and peer liveness while blocked. ``fast``: the C++ fast path module, or
+    None for the Python path."""
+
+    def __init__(self, tx: RingMemory, rx: RingMemory, *, limits: WireLimits = DEFAULT_LIMITS,
+                 spin_us: float = 100.0, wake_interval: float = 0.05, fast: Any = None) -> None:
+        if wake_interval <= 0 or spin_us < 0:
+            raise ValueError("wake_interval must be > 0 and spin_us >= 0")
+        self._tx, self._rx = tx, rx
+        self.limits = limits
+        self._spin_s = spin_us * 1e-6
+        self._wake = wake_interval
+        self._tx_head = int(tx.ctl[HEAD])
+        self._rx_tail = int(rx.ctl[TAIL])
+        self._dec = StreamDecoder(limits)
+        self._fast = fast
+        self._recv_limits = limits.as_tuple()  # the decoder's, fixed (as for the slow path)
+        self._tx_lock = threading.Lock()
+        self._rx_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ hooks
+
+    @abstractmethod
+    def peer_alive(self) -> bool:
+        """Whether the other end still runs."""
+
+    def _on_check(self) -> None:  # noqa: B027 - optional
+        """Runs at every liveness check (shm: drop the names once the peer attached)."""
+
+    def _release(self) -> None:  # noqa: B027 - optional
+        """Runs once at close when no thread is inside a send or receive."""
+
+    def _release_busy(self) -> None:  # noqa: B027 - optional
+        """Runs at close instead of :meth:`_release` when a thread is still inside."""
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def limits(self) -> WireLimits:
+        """What this end's sends are checked against (settable; received messages keep the
+        limits given at construction)."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: WireLimits) -> None:
+        self._limits = value
+        self._send_limits = value.as_tuple()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ waiting
+
+    def _wait(self, ring: RingMemory, flag: int, bell: Bell, word: int, base: int, need: int,
+              check: Callable[[], None], deadline: float | None) -> bool:
+        return wait_for(ring, flag, bell, word, base, need, check, deadline,
+                        self._spin_s, self._wake, self._fast)
+
+    def _check_rx(self) -> None:
+        if self._closed:
+            raise ChannelClosed("channel is closed")
+        self._on_check()
+        if self._rx.ctl[W_CLOSED]:
+            fence()
+            if self._rx.ctl[HEAD] == self._rx_tail:
+                raise ChannelClosed("peer closed the channel")
+        elif not self.peer_alive():
+            fence()
+            if self._rx.ctl[HEAD] == self._rx_tail:
+                raise PeerDied("peer process died (channel receive)")
+
+    def _check_tx(self) -> None:
+        if self._closed:
+            raise ChannelClosed("channel is closed")
+        self._on_check()
+        if self._tx.ctl[R_CLOSED]:
+            raise ChannelClosed("peer closed the channel")
+        if not self.peer_alive():
+            raise PeerDied("peer process died (channel send)")
+
+    # ------------------------------------------------------------------ data path
+
+    def send(self, msg: Message) -> None:
+        fast, tx = self._fast, self._tx
+        with self._tx_lock:
+            self._check_send()
+            if fast is not None and type(msg.kind) in (MsgKind, int) and msg.kind in _KINDS:
+                try:
+                    head, wake = fast.ring_send(
+                        tx.ctl_addr, tx.data_addr, tx.capacity, self._tx_head,
+                        int(msg.kind), msg.step_id, msg.layer, msg.reply_to,
+                        encode_meta(msg.meta, self.limits), msg.tensors, self._send_limits)
+                except (TypeError, RuntimeError):  # e.g. a field out of range: the slow path
+                    head, wake = -2, False  # raises the WireError
+                if head >= 0:
+                    if tx.mirrored:  # the fast path wrote the local copy only
+                        tx.publish(self._tx_head, head)
+                        tx.store(HEAD, head)
+                    self._tx_head = head
+                    if wake:
+                        tx.data_bell.ring()
+                    return
+            self._write(encode(msg, self.limits))
+
+    def send_raw(self, buffers: Sequence[Buffer]) -> None:
+        """Write bytes to the stream unchecked: for forwarding messages already encoded with
+        :func:`~lamina.transport.wire.encode` (and for tests that inject malformed input)."""
+        with self._tx_lock:
+            self._check_send()
+            self._write(buffers)
+
+    def _check_send(self) -> None:
+        if self._closed:
+            raise ChannelClosed("channel is closed")
+        if self._tx.ctl[R_CLOSED]:
+            raise ChannelClosed("peer closed the channel")
+        self._on_check()
+
+    def _write(self, buffers: Sequence[Buffer]) -> None:
+        """Stream ``buffers`` into the ring (the caller holds the send lock), waiting for
+        space as needed."""
+        ring, cap, ctl, data = self._tx, self._tx.capacity, self._tx.ctl, self._tx.data
+        for buf in buffers:
+            src = memoryview(buf).cast("B")
+            off, total = 0, len(src)
+            while off < total:
+                if self._closed:  # closed from another thread mid-message
+                    raise ChannelClosed("channel is closed")
+                free = cap - (self._tx_head - ctl[TAIL])
+                if free <= 0:
+                    self._wake_reader(ring)  # it must drain the ring before we go on
+                    self._wait(ring, W_WAIT, ring.space_bell, TAIL, self._tx_head - cap, 1,
+                               self._check_tx, None)
+                    continue
+                fence()  # the reader's tail store precedes our overwrite
+                pos = self._tx_head % cap
+                n = min(free, total - off, cap - pos)
+                data[pos:pos + n] = src[off:off + n]
+                ring.publish(self._tx_head, self._tx_head + n)
+                off += n
+                self._tx_head += n
+                fence()  # data before head
+                ring.store(HEAD, self._tx_head)
+        self._wake_reader(ring)  # once per message, not per buffer: fewer wake-ups
+
+    @staticmethod
+    def _wake_reader(ring: RingMemory) -> None:
+        fence()  # head before reading the reader's waiting flag
+        if ring.ctl[R_WAIT]:
+            ring.data_bell.ring()
+
+    def recv(self, timeout: float | None = None) -> Message:
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        with self._rx_lock:
+            ring, cap, ctl, data = self._rx, self._rx.capacity, self._rx.ctl, self._rx.data
+            fast = self._fast
+            while True:
+                if self._closed:
+                    raise ChannelClosed("channel is closed")
+                if fast is not None and not self._dec.in_progress:
+                    got = fast.ring_recv(ring.ctl_addr, ring.data_addr, cap, self._rx_tail,
+                                         self._recv_limits)
+                    status = got[0]
+                    if status > _SLOW_PATH:  # a whole message: got[0] is the tail past it
+                        msg = self._accept(got)
+                        self._rx_tail = status
+                        if fast.ring_commit(ring.ctl_addr, status):
+                            ring.space_bell.ring()
+                        if ring.mirrored:
+                            ring.store(TAIL, status)
+                        return msg
+                    if status == _EMPTY:
+                        if not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_tail,
+                                          1, self._check_rx, deadline):
+                            raise TimeoutError(f"no message within {timeout} s")
+                        continue
+                view = self._dec.buffer()  # raises WireError once the stream is corrupt
+                avail = ctl[HEAD] - self._rx_tail
+                if avail <= 0:
+                    if not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_tail, 1,
+                                      self._check_rx, deadline):
+                        raise TimeoutError(f"no message within {timeout} s")
+                    continue
+                fence()  # head before data
+                pos = self._rx_tail % cap
+                n = min(avail, len(view), cap - pos)
+                view[:n] = data[pos:pos + n]
+                view.release()
+                self._rx_tail += n
+                fence()  # data read before the writer may reuse it
+                ring.store(TAIL, self._rx_tail)
+                fence()  # tail before reading the writer's waiting flag
+                if ctl[W_WAIT]:
+                    ring.space_bell.ring()
+                msg = self._dec.advance(n)
+                if msg is not None:
+                    return msg
+
+    def _accept(self, got: tuple) -> Message:
+        """The Message of a fast-path read; a bad kind or meta poisons the stream as the
+        decoder would (the bytes stay in the ring)."""
+        _, _, kind, step_id, layer, reply_to, meta, tensors = got
+        try:
+            return Message(decode_kind(kind), step_id, layer, reply_to, decode_meta(meta),
+                           tensors)
+        except WireError as exc:
+            self._dec.poison(exc)
+            raise
+
+    def close(self) -> None:
+        """Close this end: the peer's blocked calls raise ChannelClosed (after draining what was
+        sent), this end's blocked calls are woken, then :meth:`_release` (or, when a thread is
+        still inside after ``5 s + 2 wake intervals``, :meth:`_release_busy`)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._tx.store(W_CLOSED, 1)
+        self._rx.store(R_CLOSED, 1)
+        fence()
+        for bell in (self._tx.data_bell, self._rx.space_bell,  # wake the peer
+                     self._rx.data_bell, self._tx.space_bell):  # wake our own threads
+            bell.ring()
+        limit = 5.0 + 2 * self._wake
+        got_tx = self._tx_lock.acquire(timeout=limit)
+        got_rx = self._rx_lock.acquire(timeout=limit)
+        try:
+            if got_tx and got_rx:
+                self._release()
+            else:
+                self._release_busy()
+        finally:
+            if got_tx:
+                self._tx_lock.release()
+            if got_rx:
+                self._rx_lock.release()

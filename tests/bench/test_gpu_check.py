@@ -1,0 +1,46 @@
+"""scripts/gpu-check.sh and bench/gpu_report.py without a GPU: the script refuses clearly, and
+the report reads what the script's steps write (synthetic files here; real ones on a GPU)."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_report  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: run the script itself")
+def test_gpu_check_refuses_without_a_gpu(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh")], capture_output=True,
+                       text=True, env={"PATH": "/usr/bin:/bin:" + str(Path(sys.executable).parent),
+                                       "OUT": str(tmp_path)}, timeout=300)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr
+
+
+def test_report_summarises_the_steps(tmp_path):
+    (tmp_path / "environment.txt").write_text("device: H100 | torch 2.11")
+    for step, rc in (("pytest_gpu", 0), ("kernels", 0), ("e2e_gpu_memory", 1)):
+        (tmp_path / f"{step}.rc").write_text(f"{rc}\n")
+        (tmp_path / f"{step}.log").write_text(f"line\n{step} summary\n")
+    rows = [{"method": "triton", "batch": b, "ctx": str(c), "gbps": 2800.0, "frac_copy": 0.9,
+             "mbu": m, "time_ms": 1.0} for b, c, m in ((1, 512, 0.3), (32, 2048, 0.86),
+                                                       (64, 8192, 0.90), (256, 32768, 0.80))]
+    rows.append({**rows[0], "method": "sdpa_padded"})
+    (tmp_path / "kernels_cuda.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    (tmp_path / "cpu_memory").mkdir()
+    (tmp_path / "cpu_memory" / "e2e_cuda.json").write_text(json.dumps({"rows": [
+        {"batch": 8, "system": "lamina-procs", "tok_per_s": 100.0, "ms_per_token": 80.0, "vs_hf": 0.9}]}))
+    assert gpu_report.main([str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert s["steps"]["e2e_gpu_memory"]["rc"] == "1" and s["steps"]["e2e_cpu_memory"]["rc"] == "not run"
+    assert s["kernels"]["mbu_median_large"] == pytest.approx(0.86)  # batch >= 32, ctx >= 2048 only
+    assert s["kernels"]["met"] is True and len(s["kernels"]["cells"]) == 4
+    assert "e2e_gpu_memory" not in s and s["e2e_cpu_memory"][0]["vs_hf"] == 0.9
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "Median MBU" in md and "86%" in md and "NEO" in md and "not implemented" in md
+    assert not math.isnan(s["kernels"]["cells"][0]["mbu"])
