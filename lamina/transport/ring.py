@@ -390,8 +390,11 @@ class RingChannel(Channel):
             if self._closed:
                 return
             self._closed = True
-        self._tx.store(W_CLOSED, 1)
-        self._rx.store(R_CLOSED, 1)
+        try:
+            self._tx.store(W_CLOSED, 1)
+            self._rx.store(R_CLOSED, 1)
+        except PeerDied:  # a mirrored memory whose peer is gone: nobody left to tell
+            pass
         fence()
         for bell in (self._tx.data_bell, self._rx.space_bell,  # wake the peer
                      self._rx.data_bell, self._tx.space_bell):  # wake our own threads
