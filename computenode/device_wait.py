@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from lamina.transport.ring import fence
+from lamina.transport.ring_memory import fence
 
 _SOURCE = r"""
 extern "C" __global__ void lamina_wait_flag(const volatile unsigned long long* flag,
@@ -50,8 +50,9 @@ def unavailable(device: int = 0) -> str | None:
     except ImportError as e:
         return f"device-side polling needs cupy and a CUDA GPU; cupy: {e}"
     try:
-        if cupy.cuda.runtime.getDeviceCount() <= device:
-            return f"device-side polling needs CUDA device {device}; found {cupy.cuda.runtime.getDeviceCount()}"
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count <= device:
+            return f"device-side polling needs CUDA device {device}; found {count}"
         attr = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrCanMapHostMemory, device)
     except Exception as e:  # noqa: BLE001 - no driver, no device: the same verdict
         return f"device-side polling needs a CUDA GPU: {e}"

@@ -26,7 +26,7 @@ from lamina.costmodel.constraints import Constraints
 from lamina.costmodel.hardware import Device
 from lamina.costmodel.model import ModelSpec
 from lamina.costmodel.plan_cli import as_dict
-from lamina.costmodel.search import Candidate, binding_message, search
+from lamina.costmodel.search import Candidate, Outcome, binding_message, search
 
 COMPONENTS = ("compute", "attention", "network", "idle")
 
@@ -75,15 +75,18 @@ def _point(context: int, p: Candidate) -> CostPoint:
                      p.usd_per_mtok, p.tbt * 1e3, p.bottleneck)
 
 
+def _search(model: ModelSpec, context: int, c: Constraints, catalog: dict[str, Device]) -> Outcome:
+    return search(model, [d for d in catalog.values() if d.can("compute")],
+                  [d for d in catalog.values() if d.can("memory")], context, c)
+
+
 def cost_curves(model: ModelSpec, contexts: list[int], c: Constraints,
                 catalog: dict[str, Device]) -> list[CostPoint]:
     """Per context: the best homogeneous and the best offloaded plan the constrained planner
     finds (either may be missing when nothing of its kind fits)."""
-    computes = [d for d in catalog.values() if d.can("compute")]
-    memories = [d for d in catalog.values() if d.can("memory")]
     out = []
     for ctx in contexts:
-        res = search(model, computes, memories, ctx, c)
+        res = _search(model, ctx, c, catalog)
         best_off = next((p for p in res.plans if not p.homogeneous), None)
         out += [_point(ctx, p) for p in (res.baseline, best_off) if p is not None]
     return out
@@ -93,8 +96,7 @@ def top_plans(model: ModelSpec, context: int, c: Constraints, catalog: dict[str,
               top: int) -> tuple[list[dict], str]:
     """The ``top`` best constrained plans at ``context`` (plus the homogeneous baseline) as
     ``lamina plan --json`` rows, or no rows and the binding constraint."""
-    res = search(model, [d for d in catalog.values() if d.can("compute")],
-                 [d for d in catalog.values() if d.can("memory")], context, c)
+    res = _search(model, context, c, catalog)
     if not res.plans:
         return [], binding_message(res, c)
     rows = res.plans[:top]

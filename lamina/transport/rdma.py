@@ -35,7 +35,8 @@ import secrets
 from typing import Any, Callable
 
 from lamina.transport.base import PeerDied
-from lamina.transport.ring import CTL_BYTES, R_PID, W_PID, PollBell, RingChannel, RingMemory
+from lamina.transport.ring import RingChannel
+from lamina.transport.ring_memory import CTL_BYTES, R_PID, W_PID, PollBell, RingMemory
 from lamina.transport.wire import DEFAULT_LIMITS, Message, MsgKind, WireLimits
 
 PORT = 1

@@ -10,7 +10,7 @@ with :mod:`lamina.transport.wire` and *streamed*: the writer copies what fits an
 space, the reader feeds what is there to a :class:`~lamina.transport.stream.StreamDecoder`,
 so a message of any size passes through a ring of any capacity.
 
-Primitive (:class:`RingMemory`, one direction as one end sees it). Every end reads only its
+Primitive (:class:`~lamina.transport.ring_memory.RingMemory`, one direction as one end sees it). Every end reads only its
 *local* copy of the block; it changes the peer's view with two calls:
 
 * ``store(word, value)``: set a control word here and at the peer;
@@ -28,140 +28,20 @@ copy by address; the channel then publishes what it wrote. Both paths write the 
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from typing import Any, Callable, Sequence
 
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
+from lamina.transport.ring_memory import (HEAD, R_CLOSED, R_WAIT, TAIL, W_CLOSED, W_WAIT, Bell,
+                                          RingMemory, fence, wait_for)
 from lamina.transport.stream import StreamDecoder
 from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError, WireLimits,
                                    decode_kind, decode_meta, encode, encode_meta)
 
-CTL_BYTES = 4096
-# control words (u64 index; x8 = byte offset): one 64-byte line each
-HEAD, TAIL, R_WAIT, W_WAIT, W_CLOSED, R_CLOSED, W_PID, R_PID, MAGIC, CAP = \
-    0, 8, 16, 24, 32, 40, 48, 56, 64, 72
-RING_MAGIC = int.from_bytes(b"LMNARING", "little")
-_FENCE_LOCK = threading.Lock()
 _KINDS = frozenset(int(k) for k in MsgKind)
 _EMPTY, _SLOW_PATH = 0, 2  # ring_recv's statuses: nothing there / leave it to the decoder
-
-
-def fence() -> None:
-    """Full memory barrier (a locked read-modify-write inside the lock implementation)."""
-    _FENCE_LOCK.acquire()
-    _FENCE_LOCK.release()
-
-
-class Bell(ABC):
-    """A wake-up: ``ring`` tells the peer's sleeper to look again, ``wait`` sleeps until rung
-    or ``timeout`` seconds passed."""
-
-    @abstractmethod
-    def ring(self) -> None: ...
-
-    @abstractmethod
-    def wait(self, timeout: float) -> None: ...
-
-
-class PollBell(Bell):
-    """No doorbell: the sleeper re-polls every ``interval`` seconds (RDMA: nothing can wake
-    a thread on the far host but the memory it polls)."""
-
-    def __init__(self, interval: float = 50e-6) -> None:
-        self.interval = interval
-
-    def ring(self) -> None:
-        pass
-
-    def wait(self, timeout: float) -> None:
-        time.sleep(min(timeout, self.interval))
-
-
-class RingMemory(ABC):
-    """One direction's ring as one end sees it: ``ctl`` (u64 words) and ``data`` (bytes) are
-    this end's copy, ``ctl_addr``/``data_addr`` their addresses (for the C++ fast path), and
-    ``data_bell``/``space_bell`` the wake-ups for "data arrived" and "space freed".
-    ``mirrored``: writes must be published to reach the peer (False: one shared mapping)."""
-
-    capacity: int
-    ctl: memoryview
-    data: memoryview
-    ctl_addr: int
-    data_addr: int
-    data_bell: Bell
-    space_bell: Bell
-    mirrored: bool = False
-
-    def store(self, word: int, value: int) -> None:
-        """Set control word ``word`` here and at the peer."""
-        self.ctl[word] = value
-
-    def publish(self, start: int, end: int) -> None:  # noqa: B027 - shared mapping: nothing
-        """Make data bytes ``[start, end)`` (stream counts, ``end - start <= capacity``)
-        visible at the peer."""
-
-    @abstractmethod
-    def release(self, unlink: bool) -> None:
-        """Unmap / deregister; ``unlink``: the creator also removes what names the ring."""
-
-
-def wait_for(ring: RingMemory, flag: int, bell: Bell, word: int, base: int, need: int,
-             check: Callable[[], None], deadline: float | None, spin_s: float, wake: float,
-             fast: Any) -> bool:
-    """Spin ``spin_s`` seconds (``inf``: for good), then block on ``bell`` until
-    ``ring.ctl[word] - base >= need``; False when ``deadline`` passed. ``check()`` runs every
-    ``wake`` seconds and raises to abort (closed / peer died). ``flag`` is this side's waiting
-    flag, which the other side reads before ringing. With ``fast`` (the C++ ring module) the
-    spin runs without the GIL."""
-    ctl = ring.ctl
-
-    def ready() -> bool:
-        return ctl[word] - base >= need
-    if ready():
-        return True
-    now = time.perf_counter()
-    spin_end, next_check = now + spin_s, now + wake
-    forever = spin_s == float("inf")
-    spins = 0
-    while now < spin_end:
-        if fast is not None:  # a C++ spin until the spin ends or the next check is due
-            budget = min(spin_end, next_check) - now
-            if fast.ring_wait(ring.ctl_addr, word, base, need, int(budget * 1e9),
-                              16 if forever else 0):
-                return True
-        else:
-            if ready():
-                return True
-            spins += 1
-            if forever and not spins & 1023:  # a core of our own: never sleep, but now and
-                os.sched_yield()  # then let a runnable thread (and our own, via the GIL) go
-        now = time.perf_counter()
-        if now >= next_check:
-            check()
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            next_check = now + wake
-    while True:  # a stale ring left in the FIFO costs one extra turn (wait drains it)
-        ring.store(flag, 1)
-        fence()
-        if ready():
-            ring.store(flag, 0)
-            return True
-        wait = wake
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                ring.store(flag, 0)
-                return False
-            wait = min(wait, left)
-        bell.wait(wait)
-        ring.store(flag, 0)
-        if ready():
-            return True
-        check()
 
 
 class RingChannel(Channel):

@@ -54,7 +54,8 @@ import weakref
 from typing import Any, Callable
 
 from lamina.transport import shm_fast
-from lamina.transport.ring import R_PID, W_PID, RingChannel
+from lamina.transport.ring import RingChannel
+from lamina.transport.ring_memory import R_PID, W_PID
 from lamina.transport.shm_ring import (ShmChannelSpec, RingSpec, _pid_alive, _release_rings, _Ring,
                                       default_bell_dir)
 from lamina.transport.wire import DEFAULT_LIMITS, WireLimits

@@ -24,11 +24,7 @@ from typing import Any
 import numpy as np
 
 from lamina.transport.base import ChannelClosed
-from lamina.transport.ring import CAP as _CAP
-from lamina.transport.ring import CTL_BYTES as _CTL_BYTES
-from lamina.transport.ring import MAGIC as _MAGIC
-from lamina.transport.ring import RING_MAGIC as _RING_MAGIC
-from lamina.transport.ring import Bell, RingMemory
+from lamina.transport.ring_memory import CAP, CTL_BYTES, MAGIC, RING_MAGIC, Bell, RingMemory
 
 try:  # attach without registering with multiprocessing's resource tracker (see _Ring)
     import _posixshmem
@@ -192,7 +188,7 @@ class _Ring(RingMemory):
         self.mm: mmap.mmap | None = None
         self.bells: list[_Doorbell] = []
         self.owner_pid = os.getpid()
-        size = _CTL_BYTES + spec.capacity
+        size = CTL_BYTES + spec.capacity
         self.tracked = False  # registered with this process's multiprocessing resource tracker
         if create:  # the tracker unlinks the segment if we are killed before a peer attaches
             self.shm = SharedMemory(name=spec.name, create=True, size=size)
@@ -200,18 +196,18 @@ class _Ring(RingMemory):
             buf = self.shm.buf
         else:
             buf = self._attach(spec.name)
-        self.ctl = buf[:_CTL_BYTES].cast("Q")
-        self.data = buf[_CTL_BYTES:_CTL_BYTES + spec.capacity]
+        self.ctl = buf[:CTL_BYTES].cast("Q")
+        self.data = buf[CTL_BYTES:CTL_BYTES + spec.capacity]
         # addresses for the C++ fast path (valid while mapped: release() runs only under both
         # of the channel's locks, and the fast path is called only under one of them)
         self.ctl_addr = int(np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data)
-        self.data_addr = self.ctl_addr + _CTL_BYTES
+        self.data_addr = self.ctl_addr + CTL_BYTES
         try:
             if create:  # a new segment is zero-filled
-                self.ctl[_CAP] = spec.capacity
-                self.ctl[_MAGIC] = _RING_MAGIC
-            elif len(buf) < size or self.ctl[_MAGIC] != _RING_MAGIC \
-                    or self.ctl[_CAP] != spec.capacity:
+                self.ctl[CAP] = spec.capacity
+                self.ctl[MAGIC] = RING_MAGIC
+            elif len(buf) < size or self.ctl[MAGIC] != RING_MAGIC \
+                    or self.ctl[CAP] != spec.capacity:
                 raise ValueError(f"{spec.name!r} is not a Lamina ring of capacity {spec.capacity}")
             self.data_bell = self._bell(spec.data_bell, create)
             self.space_bell = self._bell(spec.space_bell, create)
@@ -233,7 +229,7 @@ class _Ring(RingMemory):
             raise ChannelClosed(f"shared memory {name!r} is gone (creator closed)") from None
         try:
             size = os.fstat(fd).st_size
-            if size < _CTL_BYTES:
+            if size < CTL_BYTES:
                 raise ValueError(f"{name!r} is not a Lamina ring ({size} bytes)")
             self.mm = mmap.mmap(fd, size)
         finally:

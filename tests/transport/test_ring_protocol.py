@@ -14,7 +14,8 @@ import torch
 from lamina.config import InstanceConfig
 from lamina.transport import ChannelClosed, Message, MsgKind, rdma, shm_fast
 from lamina.transport.endpoint import link_kind
-from lamina.transport.ring import CTL_BYTES, PollBell, RingChannel, RingMemory
+from lamina.transport.ring import RingChannel
+from lamina.transport.ring_memory import CTL_BYTES, PollBell, RingMemory
 
 
 class MirrorRing(RingMemory):
