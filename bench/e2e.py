@@ -5,7 +5,9 @@ measured in the same run:
   what ``generate`` does: one forward over the last tokens, argmax);
 * ``lamina-inproc``: Lamina with every role in this process (``placement="inproc"``);
 * ``lamina-procs``: Lamina with the compute replica and each memory node a process of its own
-  (``placement="procs"``).
+  (``placement="procs"``);
+* ``lamina-graphs`` (``--cuda-graphs``, CUDA only): the in-process setup with the dense slices
+  replayed as CUDA graphs; its ``vs_lamina-inproc`` is the CUDA-graph gain.
 
 Each system prefills the same mixed-length prompts (seeded) once; then single decode steps of
 the systems are *interleaved* (round r times one step of each system, in an order that rotates
@@ -83,6 +85,8 @@ def main() -> None:
     ap.add_argument("--memory-device", default=None,
                     help="memory nodes' device (default: --device); e.g. --device cuda:0 "
                          "--memory-device cpu is NEO's layout: dense on the GPU, KV and attention on CPU")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="also run lamina in-process with CUDA graphs (--device cuda:N)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
@@ -95,6 +99,9 @@ def main() -> None:
               max_num_batched_tokens=max(args.batches) * args.prompt_len[1])
     llms = {"lamina-inproc": LLM(args.model, memory=args.memory, placement="inproc", **kw),
             "lamina-procs": LLM(args.model, memory=args.memory, placement="procs", **kw)}
+    if args.cuda_graphs:
+        llms["lamina-graphs"] = LLM(args.model, memory=args.memory, placement="inproc",
+                                    cuda_graphs=True, **kw)
     rows = []
     try:
         for b in tqdm(args.batches, desc="bench e2e"):
@@ -114,18 +121,19 @@ def main() -> None:
     by = {(r["batch"], r["system"]): r for r in rows}
     lines = ["| batch | HF tok/s | Lamina in-process tok/s | Lamina processes tok/s | "
              "in-process / HF | processes / HF | processes / in-process | "
-             "ms/token (HF / in-proc / procs) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "ms/token (HF / in-proc / procs) |" + (" graphs / in-process |" if args.cuda_graphs else ""),
+             "|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|" if args.cuda_graphs else "")]
     for b in args.batches:
         h, i, p = (by[(b, s)] for s in SYSTEMS)
         lines.append(f"| {b} | {h['tok_per_s']:.1f} | {i['tok_per_s']:.1f} | {p['tok_per_s']:.1f} | "
                      f"{i['vs_hf']:.2f}x | {p['vs_hf']:.2f}x | {p['vs_lamina-inproc']:.2f}x | "
                      f"{h['ms_per_token']:.0f} / {i['ms_per_token']:.0f} / "
-                     f"{p['ms_per_token']:.0f} |")
+                     f"{p['ms_per_token']:.0f} |"
+                     + (f" {by[(b, 'lamina-graphs')]['vs_lamina-inproc']:.2f}x |" if args.cuda_graphs else ""))
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     meta = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
             "prompt_len": args.prompt_len, "memory_nodes": args.memory, "device": args.device,
-            "memory_device": args.memory_device or args.device,
+            "memory_device": args.memory_device or args.device, "cuda_graphs": args.cuda_graphs,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine()}
     out = Path(args.out)

@@ -5,7 +5,8 @@ Reads what the script's steps wrote (``environment.txt``, ``<step>.log``/``.rc``
 ``gpu_check.json`` and ``gpu_check.md`` next to them. Targets (README "Hardware"): Triton decode
 MBU >= 85 % of the device's spec bandwidth on H100 (judged on the cells with batch >= 32 and
 context >= 2048, where the KV read dominates); CUDA graphs removing launch overhead at batch
-<= 32 (not implemented yet: reported as such, never as a measurement).
+<= 32 (judged by ``lamina-graphs`` vs ``lamina-inproc`` in the e2e runs, the same setup
+without and with graphs, steps interleaved).
 
     python bench/gpu_report.py bench/results/gpu_check
 """
@@ -60,7 +61,13 @@ def summarise(d: Path) -> dict:
             out[f"e2e_{layout}"] = [{k2: r.get(k2) for k2 in ("batch", "system", "tok_per_s",
                                                               "ms_per_token", "vs_hf")}
                                     for r in e["rows"]]
-    out["cuda_graphs"] = "not implemented: the dense slices run eagerly (no capture yet)"
+            gain = {r["batch"]: r.get("vs_lamina-inproc") for r in e["rows"] if r["system"] == "lamina-graphs"}
+            if gain:
+                out[f"cuda_graph_gain_{layout}"] = gain
+    gains = {k: v for k, v in out.items() if k.startswith("cuda_graph_gain_")}
+    out["cuda_graphs"] = ("; ".join(f"{k.removeprefix('cuda_graph_gain_')}: " + ", ".join(
+        f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None) for k, v in gains.items())
+        + " (tok/s with graphs / without)") if gains else "not measured (no lamina-graphs rows)"
     return out
 
 

@@ -3,12 +3,15 @@
 The replica owns the slices (on its device) and a :class:`Sampler`. Attention is not its
 business: ``execute`` takes an ``attend(layer, q, k, v) -> o`` callable that ships q/k/v to the
 memory nodes and returns the merged output ``o[T,H,D]`` (DESIGN.md §3, steps 3-5).
+With ``cuda_graph_tokens > 0`` (a CUDA device only) every slice is captured as CUDA graphs for
+steps of up to that many tokens and replayed there (:mod:`lamina.computenode.cuda_graphs`).
 """
 from __future__ import annotations
 
 import torch
 
 from lamina.computenode.cpu_linear import use_skinny_linear
+from lamina.computenode.cuda_graphs import SliceGraphs, capture_sizes
 from lamina.computenode.sampling import Sampler
 from lamina.splitter import SplitModel
 from lamina.types import SamplingParams, StepPlan
@@ -16,13 +19,16 @@ from lamina.types import SamplingParams, StepPlan
 
 class ComputeReplica:
     def __init__(self, split: SplitModel, device: torch.device | str = "cpu",
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, cuda_graph_tokens: int = 0):
         self.split = split
         self.device = torch.device(device)
         self.sampler = sampler or Sampler()
         if self.device.type == "cpu":
             for gm in split.slices:
                 use_skinny_linear(gm)
+        self.graphs: SliceGraphs | None = None
+        if cuda_graph_tokens > 0:  # raises where the device cannot capture them
+            self.graphs = SliceGraphs(split, self.device, capture_sizes(cuda_graph_tokens))
 
     # -- one slice at a time (the pipelined executor drives these) ------------------------------
     def begin(self, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -35,7 +41,7 @@ class ComputeReplica:
         """Run slice k on ``values`` (moved to this replica's device first: a context arriving
         from another replica). Returns :meth:`SplitModel.advance`'s ``(context, qkv, logits)``."""
         values = {n: t.to(self.device, non_blocking=True) for n, t in values.items()}
-        return self.split.advance(k, values)
+        return self.split.advance(k, values, self.graphs)
 
     def sample(self, logits: torch.Tensor, req_ids: list[int], params: list[SamplingParams],
                uniforms: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,7 +56,7 @@ class ComputeReplica:
     def logits(self, plan: StepPlan, attend) -> torch.Tensor:
         """Logits ``[R, V]`` of ``plan.sample_rows`` only."""
         return self.split.forward(plan.token_ids.to(self.device), plan.positions.to(self.device),
-                                  plan.sample_rows.to(self.device), attend)
+                                  plan.sample_rows.to(self.device), attend, self.graphs)
 
     def execute(self, plan: StepPlan, attend, req_ids: list[int],
                 params: list[SamplingParams]) -> torch.Tensor:

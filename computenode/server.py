@@ -65,6 +65,7 @@ class ReplicaConfig:
     trace: bool = False  # record timeline spans and send them with TOKENS
     peer_base: int = 0  # this instance's replica i is peer ``peer_base + i`` on memory nodes
     cores: list[int] | None = None  # CPU cores owned: pinned, one thread each (None: num_threads)
+    cuda_graph_tokens: int = 0  # capture CUDA graphs for steps of up to this many tokens (0: off)
 
 
 @dataclass
@@ -95,7 +96,8 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
         from lamina.splitter import split_model
         loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
                             device=cfg.device)
-        replica = ComputeReplica(split_model(loaded.model), cfg.device)
+        replica = ComputeReplica(split_model(loaded.model), cfg.device,
+                                 cuda_graph_tokens=cfg.cuda_graph_tokens)
     except Exception as e:  # report it to the engine, which is waiting for a PING reply
         error = e
     else:

@@ -33,6 +33,8 @@ def add_deployment_args(p: argparse.ArgumentParser, placement: str, memory: int 
     g.add_argument("--address", help="ray: join this Ray cluster (default: start a local one)")
     g.add_argument("--device", default=_I.device, help="compute replica device")
     g.add_argument("--memory-device", help="memory node device (default: --device)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps' dense slices as CUDA graphs (--device cuda:N only)")
     g = p.add_argument_group("pipelining")
     g.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches in flight (default: 1; compute+1 when rotational)")
@@ -67,4 +69,4 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         kv_cache_gb=args.kv_cache_gb, kv_cache_tokens=args.kv_cache_tokens,
         slab_size=args.slab_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, transport=args.transport,
-        address=args.address)
+        address=args.address, cuda_graphs=args.cuda_graphs)

@@ -61,7 +61,10 @@ class InstanceConfig:
     pyverbs, refused at construction where pyverbs or a device is missing; ``auto``: shm on one host,
     tcp across hosts); ``num_threads`` is the torch thread count of a role that owns no cores;
     ``spin``: a memory node alone on its cores (one instance per host) polls its replicas' shm
-    links instead of sleeping on them (replicas never poll: their cores run the slices)."""
+    links instead of sleeping on them (replicas never poll: their cores run the slices).
+    ``cuda_graphs``: replicas on a CUDA ``device`` capture their slices as CUDA graphs for
+    decode steps of up to ``max_num_seqs`` tokens and replay them (off by default until
+    verified on a GPU; refused on any other device)."""
 
     memory: int = 1
     placement: str = "inproc"
@@ -72,6 +75,7 @@ class InstanceConfig:
     address: str | None = None
     num_threads: int = 1
     spin: bool = True
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.memory < 1:
@@ -87,7 +91,9 @@ class InstanceConfig:
             why = unavailable()
             if why is not None:
                 raise ValueError(why)
-        parse(self.device)
+        if parse(self.device).kind != "cuda" and self.cuda_graphs:
+            raise ValueError(f"cuda_graphs needs a CUDA compute device (device='cuda:0'); "
+                             f"got device={self.device!r}")
         parse(self.node_device)
 
     @property
@@ -155,7 +161,7 @@ def deployment_config(model: str = "smollm2", *, compute: int = 1, memory: int =
                       kv_cache_gb: float = 1.0, kv_cache_tokens: int | None = None,
                       slab_size: int = 256, max_num_seqs: int = 64,
                       max_num_batched_tokens: int = 512, transport: str = "auto",
-                      address: str | None = None) -> DeploymentConfig:
+                      address: str | None = None, cuda_graphs: bool = False) -> DeploymentConfig:
     """The chain from flat keywords (what ``LLM(...)`` and the CLI take)."""
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -165,5 +171,5 @@ def deployment_config(model: str = "smollm2", *, compute: int = 1, memory: int =
         SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         InstanceConfig(memory, placement, device, memory_device,
                        resolve_pipeline(pipeline, micro_batches, compute, attn_parts),
-                       transport, address),
+                       transport, address, cuda_graphs=cuda_graphs),
         instances, borrowing, plan_every)

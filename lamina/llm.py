@@ -42,7 +42,8 @@ class LLM:
     ``attn_parts`` splits each node's share of a layer into that many mini-batches.
     ``placement``: ``inproc`` (default), ``procs`` or ``ray``; ``transport`` the links between
     roles out of process (``auto``: shm on one host, tcp across hosts); ``address`` joins a
-    running Ray cluster. ``borrowing`` lets pools of several ``instances`` lend KV space to
+    running Ray cluster. ``cuda_graphs``: replay the dense slices of decode steps as CUDA
+    graphs (``device="cuda:N"`` only). ``borrowing`` lets pools of several ``instances`` lend KV space to
     each other (``plan_every``: also move KV proactively every that many rounds). ``trace``:
     write a Chrome/Perfetto timeline JSON there on :meth:`close`. ``config`` gives the whole
     chain instead of the keywords.
@@ -55,15 +56,16 @@ class LLM:
                  dtype: torch.dtype | str | None = None, kv_cache_gb: float = 1.0,
                  kv_cache_tokens: int | None = None, slab_size: int = 256,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 transport: str = "auto", address: str | None = None, trace: str | None = None,
-                 config: DeploymentConfig | None = None):
+                 transport: str = "auto", address: str | None = None, cuda_graphs: bool = False,
+                 trace: str | None = None, config: DeploymentConfig | None = None):
         self.config = config or deployment_config(
             model, compute=compute, memory=memory, instances=instances, placement=placement,
             pipeline=pipeline, micro_batches=micro_batches, attn_parts=attn_parts,
             borrowing=borrowing, plan_every=plan_every, device=device,
             memory_device=memory_device, dtype=dtype, kv_cache_gb=kv_cache_gb,
             kv_cache_tokens=kv_cache_tokens, slab_size=slab_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, transport=transport, address=address)
+            max_num_batched_tokens=max_num_batched_tokens, transport=transport, address=address,
+            cuda_graphs=cuda_graphs)
         self.model_name = self.config.model.model
         self.trace_path = trace
         self.timeline = Timeline() if trace else None

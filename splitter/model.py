@@ -18,6 +18,8 @@ from lamina.types import AttentionSpec
 
 #: attend(layer, q[T,H,D], k[T,Hkv,D], v[T,Hkv,Dv]) -> o[T,H,Dv]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: run(k, args) -> slice k's outputs, computed some other way than ``slices[k](*args)``
+SliceRunner = Callable[[int, list], tuple]
 
 
 @dataclass
@@ -62,13 +64,16 @@ class SplitModel:
         return len(self.specs)
 
     # -- running -------------------------------------------------------------------------------
-    def run_slice(self, k: int, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run slice k on the named inputs it needs; returns its outputs by name."""
+    def run_slice(self, k: int, values: dict[str, torch.Tensor],
+                  run: SliceRunner | None = None) -> dict[str, torch.Tensor]:
+        """Run slice k on the named inputs it needs; returns its outputs by name. ``run(k,
+        args)``, when given, computes the slice instead of ``slices[k](*args)`` (e.g. by
+        replaying a captured CUDA graph) and must return the same outputs."""
         try:
             args = [values[name] for name in self.infos[k].inputs]
         except KeyError as e:
             raise KeyError(f"slice {k} needs input {e} (has {sorted(values)})") from None
-        outs = self.slices[k](*args)
+        outs = self.slices[k](*args) if run is None else run(k, args)
         return dict(zip(self.infos[k].outputs, outs))
 
     def start(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -78,14 +83,14 @@ class SplitModel:
         return {"input_ids": input_ids[None], "position_ids": position_ids[None],
                 "logits_to_keep": sample_rows}
 
-    def advance(self, k: int, values: dict[str, torch.Tensor]
+    def advance(self, k: int, values: dict[str, torch.Tensor], run: SliceRunner | None = None
                 ) -> tuple[dict[str, torch.Tensor] | None, tuple | None, torch.Tensor | None]:
         """Run slice k. Returns ``(context, (q, k, v), None)`` for a slice that ends at attention
         k (set ``context[ATTN_OUT]`` to its output ``o[T,H,Dv]`` and call ``advance(k+1, ...)``),
         or ``(None, None, result)`` for the last slice (logits of the sample rows for HF causal
         LMs, ``[R, V]``; the whole first output otherwise). The context holds the values later
         slices read (the minimum cut), so moving it is moving the micro-batch."""
-        out = self.run_slice(k, values)
+        out = self.run_slice(k, values, run)
         if k == len(self.specs):
             result = out["output0"][0]  # drop the batch dimension of 1
             rows = values["logits_to_keep"]
@@ -95,12 +100,13 @@ class SplitModel:
         return context, (out["q"], out["k"], out["v"]), None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                sample_rows: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+                sample_rows: torch.Tensor, attend: AttendFn,
+                run: SliceRunner | None = None) -> torch.Tensor:
         """Chain all slices over flattened tokens; ``attend`` computes each attention. Returns
         what the last :meth:`advance` returns."""
         values = self.start(input_ids, position_ids, sample_rows)
         for k in range(len(self.slices)):
-            context, qkv, result = self.advance(k, values)
+            context, qkv, result = self.advance(k, values, run)
             if context is None:
                 return result
             context[ATTN_OUT] = attend(k, *qkv).contiguous()

@@ -134,6 +134,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
     icfg = config.instance
     cap = node_capacity(info.specs, info.dtype, config.cache)
     replica_devs, node_devs = icfg.role_devices()
+    graph_tokens = config.scheduler.max_num_seqs if icfg.cuda_graphs else 0
     if icfg.placement == "inproc":
         cores = sorted({c for d in replica_devs + node_devs for c in (d.cores or ())})
         if cores:  # cores named: this process runs every role, so it owns their union
@@ -143,7 +144,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                                      dtype=info.dtype, device=d.torch), name=f"memory node {k}")
             for k, d in enumerate(node_devs)]
         sampler = Sampler()
-        replicas = [ComputeReplica(info.split, d.torch, sampler) for d in replica_devs]
+        replicas = [ComputeReplica(info.split, d.torch, sampler, graph_tokens) for d in replica_devs]
         worker = LocalWorker(ReplicaWorker(replicas, nodes, icfg.pipeline, timeline))
         closers: list[Callable[[], None]] = []
     else:
@@ -158,7 +159,8 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
         template = ReplicaConfig(config.model.model, replica_devs[0].torch,
                                  str(info.dtype).removeprefix("torch."), 0, 1, "none",
-                                 num_threads=icfg.num_threads, peer_base=inst_id * PEER_STRIDE)
+                                 num_threads=icfg.num_threads, peer_base=inst_id * PEER_STRIDE,
+                                 cuda_graph_tokens=graph_tokens)
         try:
             worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
                                     num_slices=len(info.split.slices), transport=icfg.transport,

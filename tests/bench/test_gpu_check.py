@@ -34,7 +34,9 @@ def test_report_summarises_the_steps(tmp_path):
     (tmp_path / "kernels_cuda.json").write_text(json.dumps({"meta": {}, "rows": rows}))
     (tmp_path / "cpu_memory").mkdir()
     (tmp_path / "cpu_memory" / "e2e_cuda.json").write_text(json.dumps({"rows": [
-        {"batch": 8, "system": "lamina-procs", "tok_per_s": 100.0, "ms_per_token": 80.0, "vs_hf": 0.9}]}))
+        {"batch": 8, "system": "lamina-procs", "tok_per_s": 100.0, "ms_per_token": 80.0, "vs_hf": 0.9},
+        {"batch": 8, "system": "lamina-graphs", "tok_per_s": 150.0, "ms_per_token": 53.0, "vs_hf": 1.3,
+         "vs_lamina-inproc": 1.4}]}))
     assert gpu_report.main([str(tmp_path)]) == 0
     s = json.loads((tmp_path / "gpu_check.json").read_text())
     assert s["steps"]["e2e_gpu_memory"]["rc"] == "1" and s["steps"]["e2e_cpu_memory"]["rc"] == "not run"
@@ -42,5 +44,7 @@ def test_report_summarises_the_steps(tmp_path):
     assert s["kernels"]["met"] is True and len(s["kernels"]["cells"]) == 4
     assert "e2e_gpu_memory" not in s and s["e2e_cpu_memory"][0]["vs_hf"] == 0.9
     md = (tmp_path / "gpu_check.md").read_text()
-    assert "Median MBU" in md and "86%" in md and "NEO" in md and "not implemented" in md
+    assert "Median MBU" in md and "86%" in md and "NEO" in md
+    assert s["cuda_graph_gain_cpu_memory"] == {"8": 1.4}
+    assert "cpu_memory: batch 8 1.40x" in md
     assert not math.isnan(s["kernels"]["cells"][0]["mbu"])

@@ -65,3 +65,23 @@ def test_each_node_gets_one_run_of_rows(tiny):
         assert [o.outputs[0].token_ids for o in outs] == want
     assert any(len(routes) == 3 for routes in submitted)
     assert all(r.span is not None for routes in submitted for r in routes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("memory_device", ["cuda:0", "cpu"])
+def test_cuda_graphs_keep_greedy_output_on_gpu(tiny, memory_device):
+    """Compute on the GPU with and without CUDA graphs (memory nodes on the GPU, or on the CPU
+    as in NEO): the same tokens as HF's float32 greedy run on CPU."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    folder, want = tiny
+    for graphs in (False, True):
+        with LLM(str(folder), device="cuda:0", memory_device=memory_device, dtype="float32",
+                 cuda_graphs=graphs, max_num_seqs=8) as llm:
+            outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                        ignore_eos=True), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == want, f"cuda_graphs={graphs}"
+            replicas = llm.deployment.instances[0].engine.worker.worker.replicas
+            assert all((r.graphs is not None) == graphs for r in replicas)
+            assert not graphs or all(r.graphs.replays > 0 for r in replicas)

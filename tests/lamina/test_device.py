@@ -37,6 +37,13 @@ def test_cuda_without_a_gpu_is_refused_clearly():
         deployment_config("x", device="cuda:0", memory_device="cpu:0")
 
 
+def test_cuda_graphs_need_a_cuda_compute_device():
+    from lamina.config import deployment_config
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA compute device"):
+        deployment_config("x", device="cpu", cuda_graphs=True)
+    assert deployment_config("x").instance.cuda_graphs is False
+
+
 def test_split_gives_disjoint_shares_and_shares_only_when_short():
     d = Device("cpu", cores=tuple(range(7)))
     parts = split(d, 3)
