@@ -18,6 +18,12 @@ node, processes on this host; with no cores named they get disjoint cores), one 
    the planner's predictions for the same cells are compared, and the table is printed and
    written to ``bench/results/calibration_<kind>.{json,md}``.
 
+Steps 1-3 repeat ``--rounds`` times (default 3), each round starting both deployments afresh,
+so that fit and check cells are measured minutes apart, not a whole run apart; every probe,
+stage time and check measurement is then the median over rounds (the table also gives the
+check cells' spread). On a VM whose speed drifts within minutes this is what keeps the fit and
+the check describing the same machine.
+
 Exit status 0 when every check cell is within 25 % on tokens/s and TBT, 1 otherwise (the
 table says which), 2 for bad arguments. Nothing here asserts speed: the errors are reported.
 """
@@ -27,6 +33,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -139,7 +146,8 @@ def _simd() -> str:
 def markdown(cal: Calibration, layers: int, rows: list[dict], command: str) -> str:
     lines = [f"# Cost-model calibration: {cal.kind}", "",
              f"Machine: {cal.machine}. Model {cal.model}, {cal.dtype_bytes}-byte dtype. Command: `{command}`.",
-             "", "Fitted (from the fit set's stage times):", "",
+             "", f"Fitted (from the fit set's stage times, medians over {rows[0].get('rounds', 1) if rows else 1} "
+             "rounds; fit and check interleaved round by round):", "",
              f"- dense slices: peak {cal.peak_flops / 1e9:.1f} GFLOP/s (matmul probe), MFU(B) = "
              f"{cal.mfu_max:.3f} * B / (B + {cal.b_half:.2f})",
              f"- attention: {cal.bw_efficiency * cal.copy_bw / 1e9:.2f} GB/s of KV = "
@@ -147,10 +155,11 @@ def markdown(cal: Calibration, layers: int, rows: list[dict], command: str) -> s
              f"- fixed per step: {2e3 * cal.latency * layers:.2f} ms "
              f"(= 2 x layers x {cal.latency * 1e6:.1f} us); transfer {cal.net_bw / 1e9:.3g} GB/s", "",
              "Check set: `lamina bench` grid cells (decode only) vs the planner's prediction:", "",
-             "| batch | context | measured tok/s | predicted | error | measured TBT ms | predicted | error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| batch | context | measured tok/s | over rounds | predicted | error | measured TBT ms | predicted | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['tok_s']:.1f} | {r['pred_tok_s']:.1f} | "
+        spread = f"{r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}" if "tok_s_min" in r else "-"
+        lines.append(f"| {r['batch']} | {r['context']} | {r['tok_s']:.1f} | {spread} | {r['pred_tok_s']:.1f} | "
                      f"{100 * r['tok_err']:+.1f}% | {1e3 * r['tbt_s']:.1f} | {1e3 * r['pred_tbt_s']:.1f} | "
                      f"{100 * r['tbt_err']:+.1f}% |")
     worst = max((max(abs(r["tok_err"]), abs(r["tbt_err"])) for r in rows), default=0.0)
@@ -163,7 +172,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", choices=sorted(_BYTES))
     ap.add_argument("--device", default="cpu", help="compute replica device (memory node: other cores)")
     ap.add_argument("--kv-cache-gb", type=float, default=3.0)
-    ap.add_argument("--new-tokens", type=int, default=24, help="tokens decoded per request and cell")
+    ap.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per request and cell")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="fit and check sets measured this many times, interleaved; medians used")
     ap.add_argument("--fit-cells", type=_cell, nargs="+", metavar="BxC",
                     default=[_cell(x) for x in ("1x32", "4x32", "16x32", "32x32", "2x1024", "4x2048")],
                     help="fit set: batch x prompt length cells")
@@ -183,38 +194,59 @@ def _cell(text: str) -> tuple[int, int]:
     return b, c
 
 
+def _median_point(points: list[StagePoint]) -> StagePoint:
+    """One StagePoint of a cell measured in several rounds: median stage times."""
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    p = points[0]
+    return StagePoint(p.batch, p.kv_len, sum(x.steps for x in points), med([x.tbt for x in points]),
+                      med([x.dense for x in points]), med([x.attention for x in points]))
+
+
+def _median_check(rows: list[dict]) -> dict:
+    """One check row of a cell measured in several rounds: median TBT (tokens/s follows as
+    ``batch / TBT`` of the same round) and the spread of tokens/s over rounds."""
+    mid = sorted(rows, key=lambda r: r["tbt_s"])[(len(rows) - 1) // 2]
+    return {**mid, "tok_s_min": min(r["tok_s"] for r in rows), "tok_s_max": max(r["tok_s"] for r in rows),
+            "rounds": len(rows)}
+
+
 def _measure(args: argparse.Namespace, model, fit_cells: list[GridCell],
              check_cells: list[GridCell]) -> tuple[Calibration, list[dict]]:
-    """Probes and fit set on one deployment (with a timeline), the fit, then the check set on a
-    second one built as ``lamina bench`` builds it."""
+    """``args.rounds`` rounds of: probes and fit set on one deployment (with a timeline), then
+    the check set on a second one built as ``lamina bench`` builds it. Returns the fit of the
+    median stage points and the median check rows."""
     from tqdm.auto import tqdm
 
     dtype = getattr(torch, args.dtype)
     cap = int(args.kv_cache_gb * 2**30 // model.kv_bytes_per_token)
-    points: list[StagePoint] = []
-    with _llm(args, trace=True) as llm:
-        comp, mem = llm.config.instance.role_devices()
-        dev = "cuda" if args.device.startswith("cuda") else "cpu"
-        flops = _on_cores(comp[0].cores, lambda: peak_flops(dtype, args.device if dev == "cuda" else "cpu"))
-        bw = _on_cores(mem[0].cores, copy_bandwidth)
-        llm.generate([[5] * 8], use_tqdm=False)  # warm-up
-        llm.timeline.spans.clear()
-        for cell in tqdm(fit_cells, desc="fit grid", unit="cell"):
-            if cell.kv_tokens <= cap:
-                points.append(stage_point(llm, cell))
+    dev = "cuda" if args.device.startswith("cuda") else "cpu"
+    points: dict[int, list[StagePoint]] = {}
+    checks: dict[int, list[dict]] = {}
+    flops, bws = [], []
+    for r in range(args.rounds):
+        with _llm(args, trace=True) as llm:
+            comp, mem = llm.config.instance.role_devices()
+            flops.append(_on_cores(comp[0].cores, lambda: peak_flops(dtype, args.device if dev == "cuda" else "cpu")))
+            bws.append(_on_cores(mem[0].cores, copy_bandwidth))
+            llm.generate([[5] * 8], use_tqdm=False)  # warm-up
+            llm.timeline.spans.clear()
+            for i, cell in enumerate(tqdm(fit_cells, desc=f"round {r + 1}/{args.rounds}: fit grid", unit="cell")):
+                if cell.kv_tokens <= cap:
+                    points.setdefault(i, []).append(stage_point(llm, cell))
+        with _llm(args, trace=False) as llm:
+            llm.generate([[5] * 8], use_tqdm=False)
+            for i, cell in enumerate(tqdm(check_cells, desc=f"round {r + 1}/{args.rounds}: check grid",
+                                          unit="cell")):
+                g = run_grid_cell(llm, cell, "lamina", cap)
+                if g.fits:
+                    checks.setdefault(i, []).append(
+                        {"batch": cell.batch, "context": cell.context, "kv_len": cell.context + cell.new_tokens / 2,
+                         "tbt_s": g.token_latency_s, "tok_s": g.throughput})
     kind = device_kind(_simd()) if dev == "cpu" else gpu_kind(args.device)
-    cal = fit(model, points, kind=kind, machine=_machine(), peak_flops=flops, copy_bw=bw,
+    cal = fit(model, [_median_point(points[i]) for i in sorted(points)], kind=kind, machine=_machine(),
+              peak_flops=statistics.median(flops), copy_bw=statistics.median(bws),
               memory_gb=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9)
-    measured = []
-    with _llm(args, trace=False) as llm:
-        llm.generate([[5] * 8], use_tqdm=False)
-        for cell in tqdm(check_cells, desc="check grid (lamina bench)", unit="cell"):
-            g = run_grid_cell(llm, cell, "lamina", cap)
-            if g.fits:
-                measured.append({"batch": cell.batch, "context": cell.context,
-                                 "kv_len": cell.context + cell.new_tokens / 2,
-                                 "tbt_s": g.token_latency_s, "tok_s": g.throughput})
-    return cal, measured
+    return cal, [_median_check(checks[i]) for i in sorted(checks)]
 
 
 def gpu_kind(device: str) -> str:
@@ -227,6 +259,8 @@ def gpu_kind(device: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
         model = _spec(args)
         fit_cells = [c for b, ctx in args.fit_cells for c in grid([b], [ctx], args.new_tokens)]
         check_cells = [c for c in grid(args.batches, args.contexts, args.new_tokens)

@@ -33,7 +33,7 @@ def test_stage_point_splits_decode_steps_into_stages(folder):
 @pytest.mark.slow
 def test_calibrate_cli_writes_the_fit_and_the_error_table(folder, tmp_path, capsys):
     rc = main(["plan", "--calibrate", "--model", folder, "--kv-cache-gb", "0.01", "--new-tokens", "4",
-               "--fit-cells", "1x8", "4x8", "2x32", "--batches", "1", "2", "--contexts", "16",
+               "--fit-cells", "1x8", "32x8", "32x100", "--batches", "1", "2", "--contexts", "16", "--rounds", "2",
                "--out", str(tmp_path / "cfg"), "--results", str(tmp_path / "res")])
     assert rc in (0, 1)  # 1: an error above 25 % (noise on a tiny model), reported, not hidden
     (yaml_path,) = (tmp_path / "cfg").iterdir()
@@ -43,4 +43,6 @@ def test_calibrate_cli_writes_the_fit_and_the_error_table(folder, tmp_path, caps
     res = json.loads(next((tmp_path / "res").glob("calibration_*.json")).read_text())
     assert res["kind"] == cal.kind and len(res["validation"]) == 2
     out = capsys.readouterr().out
-    assert "| batch | context | measured tok/s |" in out and "Largest error" in out
+    assert "| batch | context | measured tok/s | over rounds |" in out and "Largest error" in out
+    assert "medians over 2 rounds" in out
+    assert all(r["rounds"] == 2 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"] for r in cal.validation)
