@@ -7,7 +7,9 @@ measured in the same run:
 * ``lamina-procs``: Lamina with the compute replica and each memory node a process of its own
   (``placement="procs"``);
 * ``lamina-graphs`` (``--cuda-graphs``, CUDA only): the in-process setup with the dense slices
-  replayed as CUDA graphs; its ``vs_lamina-inproc`` is the CUDA-graph gain.
+  replayed as CUDA graphs; its ``vs_lamina-inproc`` is the CUDA-graph gain;
+* ``lamina-polling`` (``--device-polling``, CUDA + cupy): the processes setup with each next
+  slice pre-launched behind a device flag; its ``vs_lamina-procs`` is that gain.
 
 Each system prefills the same mixed-length prompts (seeded) once; then single decode steps of
 the systems are *interleaved* (round r times one step of each system, in an order that rotates
@@ -66,7 +68,7 @@ def stats(times: dict[str, list[float]], batch: int) -> list[dict]:
         med = statistics.median(ts)
         row = {"batch": batch, "system": n, "ms_per_token": 1e3 * med, "tok_per_s": batch / med,
                "step_ms": [round(1e3 * t, 2) for t in ts]}
-        for base in ("hf", "lamina-inproc"):  # paired: round i of n against round i of base
+        for base in ("hf", "lamina-inproc", "lamina-procs"):  # paired: round i of n against round i of base
             if base != n and base in times:
                 row[f"vs_{base}"] = statistics.median(b / t for t, b in zip(ts, times[base]))
         rows.append(row)
@@ -87,6 +89,8 @@ def main() -> None:
                          "--memory-device cpu is NEO's layout: dense on the GPU, KV and attention on CPU")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="also run lamina in-process with CUDA graphs (--device cuda:N)")
+    ap.add_argument("--device-polling", action="store_true",
+                    help="also run lamina in processes with device-side polling (--device cuda:N)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
@@ -102,6 +106,9 @@ def main() -> None:
     if args.cuda_graphs:
         llms["lamina-graphs"] = LLM(args.model, memory=args.memory, placement="inproc",
                                     cuda_graphs=True, **kw)
+    if args.device_polling:
+        llms["lamina-polling"] = LLM(args.model, memory=args.memory, placement="procs",
+                                     device_polling="cuda", **kw)
     rows = []
     try:
         for b in tqdm(args.batches, desc="bench e2e"):
@@ -119,21 +126,25 @@ def main() -> None:
             llm.close()
 
     by = {(r["batch"], r["system"]): r for r in rows}
+    extra = [(name, base, title) for name, base, title, on in (
+        ("lamina-graphs", "lamina-inproc", "graphs / in-process", args.cuda_graphs),
+        ("lamina-polling", "lamina-procs", "polling / processes", args.device_polling)) if on]
     lines = ["| batch | HF tok/s | Lamina in-process tok/s | Lamina processes tok/s | "
              "in-process / HF | processes / HF | processes / in-process | "
-             "ms/token (HF / in-proc / procs) |" + (" graphs / in-process |" if args.cuda_graphs else ""),
-             "|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|" if args.cuda_graphs else "")]
+             "ms/token (HF / in-proc / procs) |" + "".join(f" {t} |" for _, _, t in extra),
+             "|---:|---:|---:|---:|---:|---:|---:|---|" + "---:|" * len(extra)]
     for b in args.batches:
         h, i, p = (by[(b, s)] for s in SYSTEMS)
         lines.append(f"| {b} | {h['tok_per_s']:.1f} | {i['tok_per_s']:.1f} | {p['tok_per_s']:.1f} | "
                      f"{i['vs_hf']:.2f}x | {p['vs_hf']:.2f}x | {p['vs_lamina-inproc']:.2f}x | "
                      f"{h['ms_per_token']:.0f} / {i['ms_per_token']:.0f} / "
                      f"{p['ms_per_token']:.0f} |"
-                     + (f" {by[(b, 'lamina-graphs')]['vs_lamina-inproc']:.2f}x |" if args.cuda_graphs else ""))
+                     + "".join(f" {by[(b, n)][f'vs_{base}']:.2f}x |" for n, base, _ in extra))
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     meta = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
             "prompt_len": args.prompt_len, "memory_nodes": args.memory, "device": args.device,
             "memory_device": args.memory_device or args.device, "cuda_graphs": args.cuda_graphs,
+            "device_polling": args.device_polling,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine()}
     out = Path(args.out)

@@ -64,10 +64,17 @@ def summarise(d: Path) -> dict:
             gain = {r["batch"]: r.get("vs_lamina-inproc") for r in e["rows"] if r["system"] == "lamina-graphs"}
             if gain:
                 out[f"cuda_graph_gain_{layout}"] = gain
+            poll = {r["batch"]: r.get("vs_lamina-procs") for r in e["rows"] if r["system"] == "lamina-polling"}
+            if poll:
+                out[f"polling_gain_{layout}"] = poll
     gains = {k: v for k, v in out.items() if k.startswith("cuda_graph_gain_")}
     out["cuda_graphs"] = ("; ".join(f"{k.removeprefix('cuda_graph_gain_')}: " + ", ".join(
         f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None) for k, v in gains.items())
         + " (tok/s with graphs / without)") if gains else "not measured (no lamina-graphs rows)"
+    polls = {k: v for k, v in out.items() if k.startswith("polling_gain_")}
+    out["device_polling"] = ("; ".join(f"{k.removeprefix('polling_gain_')}: " + ", ".join(
+        f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None) for k, v in polls.items())
+        + " (tok/s, processes with polling / without)") if polls else "not measured (no lamina-polling rows)"
     return out
 
 
@@ -96,7 +103,7 @@ def markdown(s: dict) -> str:
                 vs = r.get("vs_hf")
                 lines.append(f"| {r['batch']} | {r['system']} | {r['tok_per_s']:.1f} | "
                              f"{r['ms_per_token']:.2f} | {'-' if vs is None else f'{vs:.2f}x'} |")
-    lines += ["", f"CUDA graphs: {s['cuda_graphs']}.", ""]
+    lines += ["", f"CUDA graphs: {s['cuda_graphs']}.", "", f"Device-side polling: {s['device_polling']}.", ""]
     return "\n".join(lines)
 
 

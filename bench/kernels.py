@@ -62,7 +62,6 @@ STEPS = [(r, lo, hi, "decode") for r in (16, 32, 64) for lo, hi in ((16, 184), (
     + [(16, 16, 184, "chunk"), (16, 16, 160, "prompts")]
 FULL_GRID = [(b, c) for b in (1, 8, 32, 64) for c in (256, 1024, 4096)]
 # GPU: batch 1..256 x context 512..32k (cells whose KV and its copies do not fit are skipped)
-CUDA_GRID = [(b, c) for b in (1, 8, 32, 64, 128, 256) for c in (512, 2048, 8192, 32768)]
 QUICK_STEPS, QUICK_GRID = [(16, 16, 184, "decode"), (16, 16, 184, "chunk")], [(32, 1024)]
 SLAB = 16  # tokens per slab of the grid's slot layout
 GRID_DTYPES = (torch.float32, torch.bfloat16)
@@ -247,83 +246,6 @@ def run_cpu(steps: list, grid: list, warmup: int, reps: int, with_ref: bool,
     return rows
 
 
-def _sdpa_padded(q, kc, vc, spec):
-    """Torch SDPA over a contiguous [B, Hkv, ctx, D] copy of the KV (unpaged baseline)."""
-    qh, sdpa = q[:, :, None, :], torch.nn.functional.scaled_dot_product_attention
-    try:
-        sdpa(qh, kc, vc, scale=spec.scale, enable_gqa=True)
-        return lambda: sdpa(qh, kc, vc, scale=spec.scale, enable_gqa=True)
-    except (TypeError, RuntimeError):  # older torch: expand KV heads explicitly
-        k2, v2 = kc.repeat_interleave(spec.group_size, 1), vc.repeat_interleave(spec.group_size, 1)
-        return lambda: sdpa(qh, k2, v2, scale=spec.scale)
-
-
-def device_peak_bw() -> float | None:
-    """The GPU's spec memory bandwidth in bytes/s (2 x memory clock x bus width, from cupy's
-    device properties), or None without cupy."""
-    try:
-        import cupy
-        props = cupy.cuda.runtime.getDeviceProperties(torch.cuda.current_device())
-        return 2 * props["memoryClockRate"] * 1e3 * props["memoryBusWidth"] / 8
-    except Exception:  # noqa: BLE001 - MBU is then reported against the copy only
-        return None
-
-
-def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
-    """Triton vs SDPA on a contiguous copy vs torch_batched; the same call repeated. ``mbu``:
-    KV bytes/s over the device's spec bandwidth (:func:`device_peak_bw`)."""
-    from lamina.kernels.triton_attention import paged_attention_triton
-    heads, kv_heads, head_dim, dtype = SHAPES["cuda"]
-    peak = device_peak_bw()
-    free = torch.cuda.mem_get_info()[0]
-    rows = []
-    for batch, ctx in grid:
-        if 5 * 2 * batch * ctx * kv_heads * head_dim * torch.finfo(dtype).bits // 8 > 0.8 * free:
-            continue  # pools, their contiguous copies and the copy probe would not fit
-        torch.manual_seed(0)
-        spec, S = _spec(heads, kv_heads, head_dim), batch * ctx
-        kp = torch.randn(S, kv_heads, head_dim, device="cuda", dtype=dtype)
-        vp = torch.randn(S, kv_heads, head_dim, device="cuda", dtype=dtype)
-        idx = torch.randperm(S).cuda().int()
-        q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
-        args = (q, kp, vp, torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-                (torch.arange(batch + 1, dtype=torch.int32) * ctx).cuda(), idx,
-                torch.full((batch,), ctx - 1, dtype=torch.int32, device="cuda"),
-                torch.zeros(batch, dtype=torch.int32, device="cuda"), spec)
-        kc = kp[idx.long()].view(batch, ctx, kv_heads, head_dim).transpose(1, 2).contiguous()
-        vc = vp[idx.long()].view(batch, ctx, kv_heads, head_dim).transpose(1, 2).contiguous()
-        kv_bytes = 2 * S * kv_heads * head_dim * kp.element_size()
-        src = torch.empty(kv_bytes // 4, dtype=torch.float32, device="cuda").normal_()
-        dst = torch.empty_like(src)
-        fns = {"copy": lambda: dst.copy_(src),
-               "triton": lambda: paged_attention_triton(*args),
-               "sdpa_padded": _sdpa_padded(q, kc, vc, spec),
-               "torch_batched": lambda: paged_attention_batched(*args)}
-        times: dict[str, list[float]] = {n: [] for n in fns}
-        for rnd in range(warmup + reps):
-            for name, fn in fns.items():
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                if rnd >= warmup:
-                    times[name].append(time.perf_counter() - t0)
-        med = {n: statistics.median(ts) for n, ts in times.items()}
-        copy_bw = 2 * kv_bytes / med["copy"]
-        for name, t in med.items():
-            if name != "copy":
-                rows.append(dict(table="grid", threads=0, batch=batch, ctx=str(ctx),
-                                 mean_ctx=float(ctx), kind="decode", layers=1, method=name,
-                                 kv_mib=kv_bytes / 2**20,
-                                 time_ms=t * 1e3, gbps=kv_bytes / t / 1e9,
-                                 copy_gbps=copy_bw / 1e9, frac_copy=kv_bytes / t / copy_bw,
-                                 mbu=kv_bytes / t / peak if peak else float("nan"),
-                                 vs_batched=med["torch_batched"] / t))
-        del kp, vp, kc, vc, src, dst, fns, args
-        torch.cuda.empty_cache()
-    return rows
-
-
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Paged decode attention ({meta['device_name']})", "",
              f"shape: {meta['shape']}, torch {meta['torch']}; median of interleaved rounds "
@@ -410,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     if device == "cuda":
         import triton
         meta["triton"] = triton.__version__
+        from kernels_cuda import CUDA_GRID, run_cuda  # this script's folder
         rows = run_cuda(QUICK_GRID if a.quick else CUDA_GRID, a.warmup, a.reps)
     else:
         threads = a.threads or list(dict.fromkeys([torch.get_num_threads(), 1]))

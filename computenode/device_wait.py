@@ -17,7 +17,7 @@ work depends on (the flag is a release, the kernel's volatile load the acquire);
 lives as long as the object. Capability: cupy, a CUDA device that can map host memory
 (:func:`unavailable` says what is missing; :class:`DeviceFlag` raises with that text; nothing
 falls back silently). Tested under ``pytest -m gpu`` only (tests/computenode/test_device_wait.py);
-not yet wired into the replica's data path.
+used by :mod:`lamina.computenode.polling` (replicas pre-launching their next slice).
 """
 from __future__ import annotations
 

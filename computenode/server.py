@@ -22,9 +22,14 @@ takes them in order, files each under its step, and runs every slice whose conte
 attention results have arrived (oldest micro-batch first). A failing node or peer fails every
 micro-batch in flight with an ERROR to the engine; the replica keeps serving (the engine
 decides what happens next).
+
+With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays on this
+replica has its next slice pre-launched as soon as its ATTENDs are sent: enqueued on its slot's
+CUDA stream behind a wait on a device flag, released when the results land.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -38,6 +43,7 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.computenode.attend import NodeRoute, attend_messages, join_results, merge_results
+from lamina.computenode.polling import Prelaunched, make_polling
 from lamina.computenode.schedule import replica_for
 from lamina.splitter.slices import ATTN_OUT
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
@@ -66,6 +72,7 @@ class ReplicaConfig:
     peer_base: int = 0  # this instance's replica i is peer ``peer_base + i`` on memory nodes
     cores: list[int] | None = None  # CPU cores owned: pinned, one thread each (None: num_threads)
     cuda_graph_tokens: int = 0  # capture CUDA graphs for steps of up to this many tokens (0: off)
+    device_polling: str = "off"  # off | cuda | emulated (lamina.computenode.polling)
 
 
 @dataclass
@@ -82,6 +89,7 @@ class MicroBatch:
     values: dict[str, torch.Tensor] | None = None
     parts: list[int] = field(default_factory=list)  # ATTEND parts per route for layer k-1
     results: dict[int, list[list[AttendResult]]] = field(default_factory=dict)  # layer -> route
+    ahead: Prelaunched | None = None  # slice k, enqueued before layer k-1's results (polling)
 
 
 def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
@@ -124,6 +132,7 @@ class ReplicaServer:
         self.last_step = -1  # newest STEP seen (the engine sends them in step id order)
         self.spans: list[list] = []  # timeline spans not yet sent to the engine
         self.failure: Exception | None = None
+        self.polling = make_polling(config.device_polling, replica.device)
         self._reader("engine", ctrl)
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -158,6 +167,10 @@ class ReplicaServer:
                     self._file(source, item)
                 self._run_ready()
         finally:
+            for mb in self.mbs.values():
+                self._release(mb)
+            if self.polling is not None:
+                self.polling.close()
             for ch in [*self.nodes, self.next, self.ctrl]:
                 if ch is not None:
                     ch.close()
@@ -177,6 +190,8 @@ class ReplicaServer:
                     pass
                 return True
             if msg.kind == MsgKind.RESET:  # the engine dropped every micro-batch in flight
+                for mb in self.mbs.values():
+                    self._release(mb)
                 self.mbs.clear()
                 self.slots.clear()
                 self.early.clear()
@@ -215,7 +230,7 @@ class ReplicaServer:
         plan, routes, req_ids, params = parse_step(msg)
         old = self.slots.get(plan.micro_batch)
         if old is not None:  # the slot's previous iteration is over (its tokens were sent)
-            self.mbs.pop(old, None)
+            self._release(self.mbs.pop(old, None))
         self.slots[plan.micro_batch] = plan.step_id
         self.last_step = max(self.last_step, plan.step_id)
         mb = MicroBatch(plan, routes, req_ids, params, step_uniforms(msg))
@@ -290,7 +305,14 @@ class ReplicaServer:
                     progressed = True
 
     def _run_slice(self, mb: MicroBatch) -> None:
+        """Run (or, pre-launched, release) slice ``mb.k``, then send its ATTENDs or TOKENS; all
+        of it on the micro-batch's stream when polling."""
+        with self.polling.stream(mb.plan.micro_batch) if self.polling else contextlib.nullcontext():
+            self._run_slice_here(mb)
+
+    def _run_slice_here(self, mb: MicroBatch) -> None:
         k, plan = mb.k, mb.plan
+        ahead, mb.ahead = mb.ahead, None
         if k > 0:
             results = mb.results.pop(k - 1)
             for route, parts in zip(mb.routes, results):
@@ -298,11 +320,15 @@ class ReplicaServer:
                     if res.span_ns:
                         self._span("memory", route.node, f"attend {k - 1}" +
                                    (f".{i}" if len(parts) > 1 else ""), *res.span_ns, mb)
-            mb.values[ATTN_OUT] = merge_results(
-                mb.routes, [join_results(p) for p in results], plan.num_tokens).contiguous()
+            o = merge_results(mb.routes, [join_results(p) for p in results], plan.num_tokens).contiguous()
+            if ahead is None:
+                mb.values[ATTN_OUT] = o
         t0 = time.perf_counter_ns()
         try:
-            context, qkv, logits = self.replica.run_slice(k, mb.values)
+            if ahead is not None:  # enqueued when the ATTENDs went out: land o, release it
+                context, qkv, logits = self.polling.land(ahead, o)
+            else:
+                context, qkv, logits = self.replica.run_slice(k, mb.values)
             if context is None:
                 tokens = self.replica.sample(logits, mb.req_ids, mb.params, mb.uniforms)
         except Exception as e:
@@ -310,7 +336,8 @@ class ReplicaServer:
             return
         t1 = time.perf_counter_ns()
         if context is None:
-            self._span("compute", self.cfg.index, f"slice {k} + sample", t0, t1, mb)
+            self._span("compute", self.cfg.index, f"slice {k} + sample" + (" (landed)" if ahead else ""),
+                       t0, t1, mb)
             reply = tokens_message(plan.step_id, tokens.tolist())
             reply.meta["spans"], self.spans = self.spans, []
             self.ctrl.send(reply)
@@ -325,6 +352,8 @@ class ReplicaServer:
         parts = [len(p) for p in msgs]
         if nxt == self.cfg.index:
             mb.values, mb.k, mb.parts = context, k + 1, parts
+            if self.polling is not None:
+                self._prelaunch(mb, qkv[0])
         else:
             names = list(context)
             self._send("next", Message(MsgKind.CONTEXT, plan.step_id, k + 1,
@@ -332,14 +361,33 @@ class ReplicaServer:
                                        tensors=[context[n].contiguous() for n in names]))
             mb.values = None
         t2 = time.perf_counter_ns()
-        self._span("compute", self.cfg.index, f"slice {k}", t0, t1, mb)
+        self._span("compute", self.cfg.index, f"slice {k}" + (" (landed)" if ahead else ""), t0, t1, mb)
         self._span("compute", self.cfg.index, "send", t1, t2, mb)
+
+    def _prelaunch(self, mb: MicroBatch, q: torch.Tensor) -> None:
+        """Enqueue slice ``mb.k`` now, reading an attention output not yet here (polling)."""
+        k, values = mb.k, mb.values
+
+        def run(o: torch.Tensor):
+            return self.replica.run_slice(k, {**values, ATTN_OUT: o})
+
+        try:
+            mb.ahead = self.polling.prelaunch(mb.plan.micro_batch, q, run)
+        except Exception as e:
+            self._error(mb, e)
+
+    def _release(self, mb: MicroBatch | None) -> None:
+        """Let a dropped micro-batch's pre-launched slice run (on garbage) so its stream moves."""
+        if mb is not None and mb.ahead is not None:
+            self.polling.release(mb.ahead)
+            mb.ahead = None
 
     # -- failures and timeline --------------------------------------------------------------------
     def _error(self, mb: MicroBatch, error: BaseException) -> None:
         """End ``mb`` here with an ERROR to the engine (tagged with its step)."""
         reply = codec.to_message(error)
         reply.step_id = mb.plan.step_id
+        self._release(mb)
         self.mbs.pop(mb.plan.step_id, None)
         self.ctrl.send(reply)
 

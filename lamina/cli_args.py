@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from lamina.config import (PLACEMENTS, TRANSPORTS, CacheConfig, DeploymentConfig,
+from lamina.config import (PLACEMENTS, POLLING, TRANSPORTS, CacheConfig, DeploymentConfig,
                            InstanceConfig, ModelConfig, deployment_config)
 from lamina.engine.scheduler import SchedulerConfig
 
@@ -35,6 +35,9 @@ def add_deployment_args(p: argparse.ArgumentParser, placement: str, memory: int 
     g.add_argument("--memory-device", help="memory node device (default: --device)")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps' dense slices as CUDA graphs (--device cuda:N only)")
+    g.add_argument("--device-polling", default=_I.device_polling, choices=POLLING,
+                   help="replicas out of process queue each next slice behind a device flag that "
+                        "the attention results release (cuda: needs cupy; emulated: CPU stand-in)")
     g = p.add_argument_group("pipelining")
     g.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches in flight (default: 1; compute+1 when rotational)")
@@ -69,4 +72,4 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
         kv_cache_gb=args.kv_cache_gb, kv_cache_tokens=args.kv_cache_tokens,
         slab_size=args.slab_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, transport=args.transport,
-        address=args.address, cuda_graphs=args.cuda_graphs)
+        address=args.address, cuda_graphs=args.cuda_graphs, device_polling=args.device_polling)

@@ -14,6 +14,7 @@ from lamina.engine.scheduler import SchedulerConfig
 
 PLACEMENTS = ("inproc", "procs", "ray")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
+POLLING = ("off", "cuda", "emulated")
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,10 @@ class InstanceConfig:
     links instead of sleeping on them (replicas never poll: their cores run the slices).
     ``cuda_graphs``: replicas on a CUDA ``device`` capture their slices as CUDA graphs for
     decode steps of up to ``max_num_seqs`` tokens and replay them (off by default until
-    verified on a GPU; refused on any other device)."""
+    verified on a GPU; refused on any other device). ``device_polling``: replicas out of
+    process pre-launch each next slice behind a device flag the attention results release
+    (:mod:`lamina.computenode.polling`): ``cuda`` needs a CUDA ``device`` and cupy;
+    ``emulated`` is its CPU stand-in (the same bookkeeping, slices deferred), for tests."""
 
     memory: int = 1
     placement: str = "inproc"
@@ -76,6 +80,7 @@ class InstanceConfig:
     num_threads: int = 1
     spin: bool = True
     cuda_graphs: bool = False
+    device_polling: str = "off"
 
     def __post_init__(self) -> None:
         if self.memory < 1:
@@ -94,6 +99,20 @@ class InstanceConfig:
         if parse(self.device).kind != "cuda" and self.cuda_graphs:
             raise ValueError(f"cuda_graphs needs a CUDA compute device (device='cuda:0'); "
                              f"got device={self.device!r}")
+        if self.device_polling not in POLLING:
+            raise ValueError(f"device_polling must be one of {', '.join(POLLING)}; got {self.device_polling!r}")
+        if self.device_polling != "off" and self.placement == "inproc":
+            raise ValueError("device_polling needs replicas out of process (placement procs or ray): "
+                             "in-process memory nodes answer before the next slice could be queued")
+        if self.device_polling == "cuda" and self.cuda_graphs:
+            raise ValueError("device_polling and cuda_graphs do not combine yet: micro-batches on "
+                             "their own streams would share the graphs' static buffers")
+        if self.device_polling == "cuda":
+            from lamina.computenode.device_wait import unavailable
+            why = (unavailable(parse(self.device).index or 0) if parse(self.device).kind == "cuda"
+                   else f"device_polling 'cuda' needs a CUDA compute device; got device={self.device!r}")
+            if why is not None:
+                raise ValueError(why)
         parse(self.node_device)
 
     @property
@@ -161,7 +180,8 @@ def deployment_config(model: str = "smollm2", *, compute: int = 1, memory: int =
                       kv_cache_gb: float = 1.0, kv_cache_tokens: int | None = None,
                       slab_size: int = 256, max_num_seqs: int = 64,
                       max_num_batched_tokens: int = 512, transport: str = "auto",
-                      address: str | None = None, cuda_graphs: bool = False) -> DeploymentConfig:
+                      address: str | None = None, cuda_graphs: bool = False,
+                      device_polling: str = "off") -> DeploymentConfig:
     """The chain from flat keywords (what ``LLM(...)`` and the CLI take)."""
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -171,5 +191,6 @@ def deployment_config(model: str = "smollm2", *, compute: int = 1, memory: int =
         SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         InstanceConfig(memory, placement, device, memory_device,
                        resolve_pipeline(pipeline, micro_batches, compute, attn_parts),
-                       transport, address, cuda_graphs=cuda_graphs),
+                       transport, address, cuda_graphs=cuda_graphs,
+                       device_polling=device_polling),
         instances, borrowing, plan_every)

@@ -43,7 +43,9 @@ class LLM:
     ``placement``: ``inproc`` (default), ``procs`` or ``ray``; ``transport`` the links between
     roles out of process (``auto``: shm on one host, tcp across hosts); ``address`` joins a
     running Ray cluster. ``cuda_graphs``: replay the dense slices of decode steps as CUDA
-    graphs (``device="cuda:N"`` only). ``borrowing`` lets pools of several ``instances`` lend KV space to
+    graphs (``device="cuda:N"`` only); ``device_polling="cuda"``: replicas in processes
+    queue each next slice on the GPU behind a flag the attention results release.
+    ``borrowing`` lets pools of several ``instances`` lend KV space to
     each other (``plan_every``: also move KV proactively every that many rounds). ``trace``:
     write a Chrome/Perfetto timeline JSON there on :meth:`close`. ``config`` gives the whole
     chain instead of the keywords.
@@ -57,7 +59,7 @@ class LLM:
                  kv_cache_tokens: int | None = None, slab_size: int = 256,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  transport: str = "auto", address: str | None = None, cuda_graphs: bool = False,
-                 trace: str | None = None, config: DeploymentConfig | None = None):
+                 device_polling: str = "off", trace: str | None = None, config: DeploymentConfig | None = None):
         self.config = config or deployment_config(
             model, compute=compute, memory=memory, instances=instances, placement=placement,
             pipeline=pipeline, micro_batches=micro_batches, attn_parts=attn_parts,
@@ -65,7 +67,7 @@ class LLM:
             memory_device=memory_device, dtype=dtype, kv_cache_gb=kv_cache_gb,
             kv_cache_tokens=kv_cache_tokens, slab_size=slab_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, transport=transport, address=address,
-            cuda_graphs=cuda_graphs)
+            cuda_graphs=cuda_graphs, device_polling=device_polling)
         self.model_name = self.config.model.model
         self.trace_path = trace
         self.timeline = Timeline() if trace else None

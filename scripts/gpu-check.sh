@@ -6,7 +6,8 @@
 #                                         device's spec bandwidth; batch 1..256 x ctx 512..32k)
 #   3. bench/e2e.py --device cuda:0      (decode tok/s: memory nodes on the GPU, then on the
 #                                         CPU = NEO's layout), each against HF on the GPU, and
-#                                         in-process with vs without CUDA graphs
+#                                         in-process with vs without CUDA graphs, processes
+#                                         with vs without device-side polling
 #   4. bench/gpu_report.py               (one JSON + one markdown table of all of it)
 # Output: $OUT/gpu_check/ when $OUT is set (the device tool's folder), else
 # bench/results/gpu_check/. Exit status: 0 all steps ran, 1 a step failed, 2 no GPU.
@@ -38,7 +39,7 @@ step() {  # step NAME CMD...: run, keep its log, remember a failure, go on
 }
 step pytest_gpu python -m pytest -m gpu -q -p no:cacheprovider tests
 step kernels python bench/kernels.py --device cuda --out "$DIR"
-step e2e_gpu_memory python bench/e2e.py --device cuda:0 --memory 1 --batches 1 8 32 64 --cuda-graphs --out "$DIR/gpu_memory"
-step e2e_cpu_memory python bench/e2e.py --device cuda:0 --memory-device cpu --memory 1 --batches 1 8 32 64 --cuda-graphs --out "$DIR/cpu_memory"
+step e2e_gpu_memory python bench/e2e.py --device cuda:0 --memory 1 --batches 1 8 32 64 --cuda-graphs --device-polling --out "$DIR/gpu_memory"
+step e2e_cpu_memory python bench/e2e.py --device cuda:0 --memory-device cpu --memory 1 --batches 1 8 32 64 --cuda-graphs --device-polling --out "$DIR/cpu_memory"
 step report python bench/gpu_report.py "$DIR"
 exit $status

@@ -8,21 +8,19 @@ node, processes on this host; with no cores named they get disjoint cores), one 
 
 1. **Probes** on each role's cores: peak FLOP/s of a 2048^3 matmul on the compute cores;
    copy bandwidth ((read + write) bytes / s of a 256 MiB ``copy_``) on the memory cores.
-2. **Fit set**: decode steps over a batch x context grid (``--fit-batches`` x
-   ``--fit-contexts``), each split by the run's timeline into dense, attention and the rest
+2. **Fit set**: decode steps over the batch x prompt-length cells of ``--fit-cells``, each split by the run's timeline into dense, attention and the rest
    (:class:`~lamina.costmodel.calibration.StagePoint`); fitted by
    :func:`lamina.costmodel.calibration.fit` and saved to ``configs/calibration/<kind>.yaml``.
-3. **Check set**: a second deployment, without a timeline, exactly as ``lamina bench`` builds
-   it, measures decode tokens/s and TBT over ``--batches`` x ``--contexts`` with
+3. **Check set**: decode tokens/s and TBT over ``--batches`` x ``--contexts``, measured with
    :func:`lamina.benchmark.measure.run_grid_cell` (``lamina bench``'s own grid measurement);
    the planner's predictions for the same cells are compared, and the table is printed and
    written to ``bench/results/calibration_<kind>.{json,md}``.
 
-Steps 1-3 repeat ``--rounds`` times (default 3), each round starting both deployments afresh,
-so that fit and check cells are measured minutes apart, not a whole run apart; every probe,
-stage time and check measurement is then the median over rounds (the table also gives the
-check cells' spread). On a VM whose speed drifts within minutes this is what keeps the fit and
-the check describing the same machine.
+Steps 1-3 repeat ``--rounds`` times (default 3), each round on a fresh deployment that measures
+its fit and check cells alternately, so both sets see the same machine (on this VM two
+deployments, or one a few minutes apart, differ by up to ~40 % at batch 1; recording the
+timeline itself costs nothing measurable). Every probe, stage time and check measurement is
+then the median over rounds (the table gives the check cells' spread).
 
 Exit status 0 when every check cell is within 25 % on tokens/s and TBT, 1 otherwise (the
 table says which), 2 for bad arguments. Nothing here asserts speed: the errors are reported.
@@ -147,7 +145,7 @@ def markdown(cal: Calibration, layers: int, rows: list[dict], command: str) -> s
     lines = [f"# Cost-model calibration: {cal.kind}", "",
              f"Machine: {cal.machine}. Model {cal.model}, {cal.dtype_bytes}-byte dtype. Command: `{command}`.",
              "", f"Fitted (from the fit set's stage times, medians over {rows[0].get('rounds', 1) if rows else 1} "
-             "rounds; fit and check interleaved round by round):", "",
+             "rounds; fit and check cells alternate on each round's deployment):", "",
              f"- dense slices: peak {cal.peak_flops / 1e9:.1f} GFLOP/s (matmul probe), MFU(B) = "
              f"{cal.mfu_max:.3f} * B / (B + {cal.b_half:.2f})",
              f"- attention: {cal.bw_efficiency * cal.copy_bw / 1e9:.2f} GB/s of KV = "
@@ -212,9 +210,10 @@ def _median_check(rows: list[dict]) -> dict:
 
 def _measure(args: argparse.Namespace, model, fit_cells: list[GridCell],
              check_cells: list[GridCell]) -> tuple[Calibration, list[dict]]:
-    """``args.rounds`` rounds of: probes and fit set on one deployment (with a timeline), then
-    the check set on a second one built as ``lamina bench`` builds it. Returns the fit of the
-    median stage points and the median check rows."""
+    """``args.rounds`` rounds, each on a fresh deployment: probes, then the fit and check cells
+    alternately (fit cells split by the timeline, check cells measured by ``lamina bench``'s
+    :func:`run_grid_cell`). Returns the fit of the median stage points and the median check
+    rows."""
     from tqdm.auto import tqdm
 
     dtype = getattr(torch, args.dtype)
@@ -223,20 +222,21 @@ def _measure(args: argparse.Namespace, model, fit_cells: list[GridCell],
     points: dict[int, list[StagePoint]] = {}
     checks: dict[int, list[dict]] = {}
     flops, bws = [], []
+    order = [("fit", i) for i in range(len(fit_cells))] + [("check", i) for i in range(len(check_cells))]
+    order.sort(key=lambda x: x[1] / (len(fit_cells) if x[0] == "fit" else len(check_cells)))
     for r in range(args.rounds):
         with _llm(args, trace=True) as llm:
             comp, mem = llm.config.instance.role_devices()
             flops.append(_on_cores(comp[0].cores, lambda: peak_flops(dtype, args.device if dev == "cuda" else "cpu")))
             bws.append(_on_cores(mem[0].cores, copy_bandwidth))
             llm.generate([[5] * 8], use_tqdm=False)  # warm-up
-            llm.timeline.spans.clear()
-            for i, cell in enumerate(tqdm(fit_cells, desc=f"round {r + 1}/{args.rounds}: fit grid", unit="cell")):
-                if cell.kv_tokens <= cap:
-                    points.setdefault(i, []).append(stage_point(llm, cell))
-        with _llm(args, trace=False) as llm:
-            llm.generate([[5] * 8], use_tqdm=False)
-            for i, cell in enumerate(tqdm(check_cells, desc=f"round {r + 1}/{args.rounds}: check grid",
-                                          unit="cell")):
+            for which, i in tqdm(order, desc=f"round {r + 1}/{args.rounds}", unit="cell"):
+                llm.timeline.spans.clear()
+                if which == "fit":
+                    if fit_cells[i].kv_tokens <= cap:
+                        points.setdefault(i, []).append(stage_point(llm, fit_cells[i]))
+                    continue
+                cell = check_cells[i]
                 g = run_grid_cell(llm, cell, "lamina", cap)
                 if g.fits:
                     checks.setdefault(i, []).append(

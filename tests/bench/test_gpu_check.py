@@ -36,7 +36,9 @@ def test_report_summarises_the_steps(tmp_path):
     (tmp_path / "cpu_memory" / "e2e_cuda.json").write_text(json.dumps({"rows": [
         {"batch": 8, "system": "lamina-procs", "tok_per_s": 100.0, "ms_per_token": 80.0, "vs_hf": 0.9},
         {"batch": 8, "system": "lamina-graphs", "tok_per_s": 150.0, "ms_per_token": 53.0, "vs_hf": 1.3,
-         "vs_lamina-inproc": 1.4}]}))
+         "vs_lamina-inproc": 1.4},
+        {"batch": 8, "system": "lamina-polling", "tok_per_s": 110.0, "ms_per_token": 72.0, "vs_hf": 1.0,
+         "vs_lamina-procs": 1.1}]}))
     assert gpu_report.main([str(tmp_path)]) == 0
     s = json.loads((tmp_path / "gpu_check.json").read_text())
     assert s["steps"]["e2e_gpu_memory"]["rc"] == "1" and s["steps"]["e2e_cpu_memory"]["rc"] == "not run"
@@ -47,4 +49,5 @@ def test_report_summarises_the_steps(tmp_path):
     assert "Median MBU" in md and "86%" in md and "NEO" in md
     assert s["cuda_graph_gain_cpu_memory"] == {"8": 1.4}
     assert "cpu_memory: batch 8 1.40x" in md
+    assert s["polling_gain_cpu_memory"] == {"8": 1.1} and "Device-side polling: cpu_memory: batch 8 1.10x" in md
     assert not math.isnan(s["kernels"]["cells"][0]["mbu"])

@@ -117,3 +117,4 @@ def test_smollm2_process_replicas_rotational_matches_hf():
              placement="procs", transport="shm") as llm:
         outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
+

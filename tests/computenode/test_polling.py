@@ -1,0 +1,59 @@
+"""Pre-launched slices (computenode/polling.py): the CPU stand-in's contract, and the config's
+refusals. The CUDA implementation is tested under ``gpu``; the replica server's use of it (in
+processes, greedy output equal to HF) in tests/e2e/test_pipeline_processes.py."""
+import pytest
+import torch
+
+from lamina.computenode.polling import EmulatedPolling, make_polling
+from lamina.config import deployment_config
+
+
+def test_emulated_prelaunch_runs_at_land_on_the_landed_output():
+    p = EmulatedPolling("cpu")
+    seen = []
+    ahead = p.prelaunch(0, torch.zeros(3, 2, 4), lambda o: seen.append(o.clone()) or o.sum())
+    assert seen == [] and ahead.target == 1 and ahead.buffer.shape == (3, 2, 4)
+    o = torch.randn(3, 2, 4)
+    assert torch.equal(p.land(ahead, o), o.sum())
+    assert torch.equal(seen[0], o) and p.landed == 1
+    assert p.prelaunch(0, o, lambda o: None).target == 2 and p.prelaunch(1, o, lambda o: None).target == 1
+    with pytest.raises(ValueError, match="does not fit the pre-launched slice's buffer"):
+        p.land(p.prelaunch(0, o, lambda o: None), torch.zeros(3, 2, 5))
+
+
+def test_modes():
+    assert make_polling("off", "cpu") is None
+    with pytest.raises(ValueError, match="off, cuda or emulated"):
+        make_polling("maybe", "cpu")
+    with pytest.raises(RuntimeError, match="CUDA compute device"):
+        make_polling("cuda", "cpu")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(device_polling="emulated", placement="inproc"), "replicas out of process"),
+    (dict(device_polling="cuda", placement="procs"), "CUDA compute device|cupy|CUDA"),
+    (dict(device_polling="sometimes", placement="procs"), "device_polling must be one of")])
+def test_config_refuses_what_cannot_run(kw, match):
+    if kw["device_polling"] == "cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match=match):
+        deployment_config("x", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prelaunched_work_waits_for_its_landing():
+    from lamina.computenode.device_wait import unavailable
+    if unavailable() is not None:
+        pytest.skip(unavailable())
+    p = make_polling("cuda", "cuda:0")
+    x = torch.zeros(1, device="cuda")
+    ahead = p.prelaunch(0, torch.zeros(4, device="cuda"), lambda o: (x.add_(o.sum()), o * 2)[1])
+    done = torch.cuda.Event()
+    with p.stream(0):
+        done.record()
+    assert not done.query()  # parked on the flag
+    out = p.land(ahead, torch.ones(4, device="cuda"))
+    p.streams[0].synchronize()
+    assert float(x) == 4 and torch.equal(out, torch.full((4,), 2.0, device="cuda"))
+    p.close()

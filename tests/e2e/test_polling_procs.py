@@ -1,0 +1,31 @@
+"""Pre-launched slices under processes (``device_polling="emulated"``, the CPU stand-in of
+device-side polling): the replica server's bookkeeping keeps greedy output equal to HF. Not
+marked slow: this is the only CI run of that path (one deployment, ~30 s)."""
+import pytest
+
+from lamina import LLM, SamplingParams
+
+from hf_oracle import tiny_case
+
+MAX_NEW = 10
+PROMPTS = [[(11 * i + 7 * j + 5) % 90 + 3 for j in range(n)]
+           for i, n in enumerate((3, 17, 1, 9, 22, 5, 12, 7))]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_case("llama", tmp_path_factory, PROMPTS, MAX_NEW)
+
+
+def test_prelaunched_slices_keep_greedy_output(tiny, tmp_path):
+    """``device_polling="emulated"`` (the CPU stand-in of pre-launching each next slice behind a
+    device flag): two micro-batches on one replica process, outputs equal to HF, and the
+    timeline shows slices released by landed results."""
+    folder, want = tiny
+    with LLM(str(folder), memory=2, placement="procs", micro_batches=2, pipeline="rotational",
+             device_polling="emulated", trace=str(tmp_path / "run.json")) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        names = {s.name for s in llm.timeline.spans if s.role == "compute"}
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert any(n.endswith("(landed)") for n in names), sorted(names)[:10]
