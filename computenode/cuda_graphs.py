@@ -127,23 +127,20 @@ class SliceGraphs:
 
     # -- setup ---------------------------------------------------------------------------------
     def _chain(self, tokens: int, rows: int, each: Callable[[int, list], tuple] | None = None):
-        """Run every slice eagerly on ``tokens`` dummy tokens with ``rows`` sample rows, zero
-        attention in between; ``each(k, args)`` (default: the eager slice) computes slice k.
-        Returns ``[(args, outputs)]`` per slice."""
+        """Run every slice (through :meth:`SplitModel.forward`, zero attention in between) on
+        ``tokens`` dummy tokens with ``rows`` sample rows; ``each(k, args)`` (default: the eager
+        slice) computes slice k. Returns ``[(args, outputs)]`` per slice."""
         run = each or (lambda k, args: tuple(self.split.slices[k](*args)))
-        values = self.split.start(torch.zeros(tokens, dtype=torch.long, device=self.device),
-                                  torch.arange(tokens, device=self.device),
-                                  torch.arange(tokens - rows, tokens, device=self.device))
         seen = []
-        for k, info in enumerate(self.split.infos):
-            args = [values[n] for n in info.inputs]
-            outs = run(k, args)
-            seen.append((args, outs))
-            named = dict(zip(info.outputs, outs))
-            if k < len(self.split.specs):
-                values = {n: values[n] for n in ("input_ids", "position_ids", "logits_to_keep")}
-                values.update({n: t for n, t in named.items() if n not in ("q", "k", "v")})
-                values["attn_out"] = torch.zeros(named["q"].shape, dtype=named["q"].dtype, device=self.device)
+
+        def record(k: int, args: list) -> tuple:
+            seen.append((args, run(k, args)))
+            return seen[-1][1]
+
+        dev = self.device
+        self.split.forward(torch.zeros(tokens, dtype=torch.long, device=dev), torch.arange(tokens, device=dev),
+                           torch.arange(tokens - rows, tokens, device=dev),
+                           lambda k, q, kk, v: torch.zeros(q.shape, dtype=q.dtype, device=dev), record)
         return seen
 
     def _probe(self) -> tuple[list[Dims], list[Dims]]:

@@ -40,17 +40,23 @@ class Prelaunched:
     run: Callable[[torch.Tensor], Any] | None = field(default=None, repr=False)
 
 
+def unavailable(device: torch.device | str) -> str | None:
+    """Why :class:`Polling` cannot run for a replica on ``device`` (None: it can)."""
+    from lamina.computenode.device_wait import unavailable as flag_unavailable
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device-side polling needs a CUDA compute device; the replica runs on {device}"
+    return flag_unavailable(device.index or 0)
+
+
 class Polling:
     """CUDA streams and device flags per micro-batch slot (module docstring)."""
 
     def __init__(self, device: torch.device | str) -> None:
-        from lamina.computenode.device_wait import unavailable
-
         self.device = torch.device(device)
         self.index = self.device.index or 0
-        why = unavailable(self.index) if self.device.type == "cuda" else (
-            f"device-side polling needs a CUDA compute device; the replica runs on {self.device}")
-        if why is not None:
+        if (why := unavailable(self.device)) is not None:
             raise RuntimeError(why)
         self.flags: dict[int, Any] = {}
         self.streams: dict[int, torch.cuda.Stream] = {}

@@ -29,11 +29,11 @@ CUDA stream behind a wait on a device flag, released when the results land.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,19 +298,15 @@ class ReplicaServer:
             progressed = False
             for mb in list(self.mbs.values()):
                 if self._ready(mb):
-                    try:
-                        self._run_slice(mb)
+                    try:  # with polling, all of a micro-batch's GPU work on its slot's stream
+                        with self.polling.stream(mb.plan.micro_batch) if self.polling else nullcontext():
+                            self._run_slice(mb)
                     except _Failed:
                         return
                     progressed = True
 
     def _run_slice(self, mb: MicroBatch) -> None:
-        """Run (or, pre-launched, release) slice ``mb.k``, then send its ATTENDs or TOKENS; all
-        of it on the micro-batch's stream when polling."""
-        with self.polling.stream(mb.plan.micro_batch) if self.polling else contextlib.nullcontext():
-            self._run_slice_here(mb)
-
-    def _run_slice_here(self, mb: MicroBatch) -> None:
+        """Run (or, pre-launched, release) slice ``mb.k``, then send its ATTENDs or TOKENS."""
         k, plan = mb.k, mb.plan
         ahead, mb.ahead = mb.ahead, None
         if k > 0:
@@ -335,9 +331,9 @@ class ReplicaServer:
             self._error(mb, e)
             return
         t1 = time.perf_counter_ns()
+        tag = " (landed)" if ahead else ""
         if context is None:
-            self._span("compute", self.cfg.index, f"slice {k} + sample" + (" (landed)" if ahead else ""),
-                       t0, t1, mb)
+            self._span("compute", self.cfg.index, f"slice {k} + sample{tag}", t0, t1, mb)
             reply = tokens_message(plan.step_id, tokens.tolist())
             reply.meta["spans"], self.spans = self.spans, []
             self.ctrl.send(reply)
@@ -361,7 +357,7 @@ class ReplicaServer:
                                        tensors=[context[n].contiguous() for n in names]))
             mb.values = None
         t2 = time.perf_counter_ns()
-        self._span("compute", self.cfg.index, f"slice {k}" + (" (landed)" if ahead else ""), t0, t1, mb)
+        self._span("compute", self.cfg.index, f"slice {k}{tag}", t0, t1, mb)
         self._span("compute", self.cfg.index, "send", t1, t2, mb)
 
     def _prelaunch(self, mb: MicroBatch, q: torch.Tensor) -> None:

@@ -96,7 +96,8 @@ class InstanceConfig:
             why = unavailable()
             if why is not None:
                 raise ValueError(why)
-        if parse(self.device).kind != "cuda" and self.cuda_graphs:
+        device = parse(self.device)
+        if device.kind != "cuda" and self.cuda_graphs:
             raise ValueError(f"cuda_graphs needs a CUDA compute device (device='cuda:0'); "
                              f"got device={self.device!r}")
         if self.device_polling not in POLLING:
@@ -108,10 +109,8 @@ class InstanceConfig:
             raise ValueError("device_polling and cuda_graphs do not combine yet: micro-batches on "
                              "their own streams would share the graphs' static buffers")
         if self.device_polling == "cuda":
-            from lamina.computenode.device_wait import unavailable
-            why = (unavailable(parse(self.device).index or 0) if parse(self.device).kind == "cuda"
-                   else f"device_polling 'cuda' needs a CUDA compute device; got device={self.device!r}")
-            if why is not None:
+            from lamina.computenode.polling import unavailable
+            if (why := unavailable(device.torch)) is not None:
                 raise ValueError(why)
         parse(self.node_device)
 

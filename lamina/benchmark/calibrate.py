@@ -8,7 +8,8 @@ node, processes on this host; with no cores named they get disjoint cores), one 
 
 1. **Probes** on each role's cores: peak FLOP/s of a 2048^3 matmul on the compute cores;
    copy bandwidth ((read + write) bytes / s of a 256 MiB ``copy_``) on the memory cores.
-2. **Fit set**: decode steps over the batch x prompt-length cells of ``--fit-cells``, each split by the run's timeline into dense, attention and the rest
+2. **Fit set**: decode steps over the batch x prompt-length cells of ``--fit-cells``, each
+   split by the run's timeline into dense, attention and the rest
    (:class:`~lamina.costmodel.calibration.StagePoint`); fitted by
    :func:`lamina.costmodel.calibration.fit` and saved to ``configs/calibration/<kind>.yaml``.
 3. **Check set**: decode tokens/s and TBT over ``--batches`` x ``--contexts``, measured with
@@ -116,13 +117,14 @@ def stage_point(llm, cell: GridCell) -> StagePoint:
                       dense / steps, attention / steps)
 
 
-def _llm(args, trace: bool):
+def _llm(args):
+    """The measured deployment (module docstring), recording a timeline."""
     from lamina.llm import LLM
 
     return LLM(args.model, memory=1, placement="procs", device=args.device, dtype=args.dtype,
                kv_cache_gb=args.kv_cache_gb, max_num_seqs=max(args.batches + [b for b, _ in args.fit_cells]),
                max_num_batched_tokens=max(args.max_prompt_tokens, *(b * c for b, c in args.fit_cells)),
-               trace=os.devnull if trace else None)
+               trace=os.devnull)
 
 
 def _spec(args):
@@ -194,7 +196,7 @@ def _cell(text: str) -> tuple[int, int]:
 
 def _median_point(points: list[StagePoint]) -> StagePoint:
     """One StagePoint of a cell measured in several rounds: median stage times."""
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     p = points[0]
     return StagePoint(p.batch, p.kv_len, sum(x.steps for x in points), med([x.tbt for x in points]),
                       med([x.dense for x in points]), med([x.attention for x in points]))
@@ -225,7 +227,7 @@ def _measure(args: argparse.Namespace, model, fit_cells: list[GridCell],
     order = [("fit", i) for i in range(len(fit_cells))] + [("check", i) for i in range(len(check_cells))]
     order.sort(key=lambda x: x[1] / (len(fit_cells) if x[0] == "fit" else len(check_cells)))
     for r in range(args.rounds):
-        with _llm(args, trace=True) as llm:
+        with _llm(args) as llm:
             comp, mem = llm.config.instance.role_devices()
             flops.append(_on_cores(comp[0].cores, lambda: peak_flops(dtype, args.device if dev == "cuda" else "cpu")))
             bws.append(_on_cores(mem[0].cores, copy_bandwidth))
