@@ -21,7 +21,7 @@ and decoded into a fresh tensor on receipt: the cost a memory node's ATTEND and 
 ``x raw`` is the ratio to the raw round trip of the same size (target: shm spin <= 2.5x at
 4 KB and 64 KB).
 
-    python bench/transport.py           # ~1 minute
+    python bench/transport.py           # 3 interleaved rounds, ~1 minute
     python bench/transport.py --quick   # smoke run
 
 Writes ``bench/results/transport_cpu.json`` and ``.md``. Never asserts speed.
@@ -168,18 +168,27 @@ def channel_round_trips(kind: str, spin_us: float, sizes: list[int],
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
+    """Per mode and size: the median over rounds of the round's median round trip, and the
+    median over rounds of its ratio to the raw ping-pong measured in the same round."""
     modes = list(dict.fromkeys(r["mode"] for r in rows if r["mode"] != "raw"))
     lines = ["# Data path round trip (one tensor out and back, two pinned processes)", "",
-             f"cores: {meta['cores']}; median over batches of round trips; `x raw` = that "
-             "mode's round trip over the raw spin ping-pong of the same size, same run. See "
-             "the docstring of bench/transport.py.", "",
+             f"cores: {meta['cores']}; {meta.get('rounds', 1)} round(s), modes interleaved; "
+             "median over batches of round trips, then over rounds; `x raw` = that mode's round "
+             "trip over the raw spin ping-pong of the same size in the same round (median over "
+             "rounds). See the docstring of bench/transport.py.", "",
              "| size | raw us | " + " | ".join(f"{m} us | {m} x raw" for m in modes) + " |",
              "|---:|---:|" + "---:|---:|" * len(modes)]
     for size in sorted({r["size"] for r in rows}):
-        by = {r["mode"]: r for r in rows if r["size"] == size}
-        raw = by["raw"]["us"]
-        cells = " | ".join(f"{by[m]['us']:.1f} | {by[m]['us'] / raw:.1f}x" for m in modes)
-        lines.append(f"| {_human(size)} | {raw:.1f} | {cells} |")
+        us: dict[str, list[float]] = {}
+        ratio: dict[str, list[float]] = {}
+        raw = {r["round"]: r["us"] for r in rows if r["size"] == size and r["mode"] == "raw"}
+        for r in rows:
+            if r["size"] == size:
+                us.setdefault(r["mode"], []).append(r["us"])
+                ratio.setdefault(r["mode"], []).append(r["us"] / raw[r["round"]])
+        cells = " | ".join(f"{statistics.median(us[m]):.1f} | {statistics.median(ratio[m]):.1f}x"
+                           for m in modes)
+        lines.append(f"| {_human(size)} | {statistics.median(us['raw']):.1f} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,6 +199,8 @@ def _human(n: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="three sizes, fewer trips")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="measure every mode this many times, interleaved; report medians")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = ap.parse_args(argv)
     _pin(CORES[0])
@@ -198,13 +209,17 @@ def main(argv: list[str] | None = None) -> None:
 
     def add(mode: str, size: int, times: list[float]) -> None:
         rows.append(dict(mode=mode, size=size, us=statistics.median(times) * 1e6,
-                         batches=len(times)))
+                         batches=len(times), round=rnd))
 
-    for size in sizes:
-        add("raw", size, raw_round_trip(size, _trips(size, a.quick)))
     from lamina.transport.endpoint import SPIN_US
-    for mode, kind, spin in (("shm spin", "shm", float("inf")), ("shm brief", "shm", SPIN_US),
-                             ("shm spin py", "shm", float("inf")), ("tcp", "tcp", SPIN_US)):
+    modes = (("shm spin", "shm", float("inf")), ("shm brief", "shm", SPIN_US),
+             ("shm spin py", "shm", float("inf")), ("tcp", "tcp", SPIN_US))
+    for rnd, mode, kind, spin in ((r, *m) for r in range(a.rounds)
+                                  for m in (("raw", None, None), *modes)):
+        if mode == "raw":
+            for size in sizes:
+                add("raw", size, raw_round_trip(size, _trips(size, a.quick)))
+            continue
         python_ring = mode.endswith(" py")  # the shm ring without its C++ fast path
         old = os.environ.get("LAMINA_KERNELS")
         if python_ring:  # read when the channels are made, here and in the spawned echo
@@ -218,9 +233,11 @@ def main(argv: list[str] | None = None) -> None:
                     os.environ.pop("LAMINA_KERNELS", None)
                 else:
                     os.environ["LAMINA_KERNELS"] = old
-        print(f"{mode}: " + ", ".join(f"{_human(r['size'])} {r['us']:.1f} us"
-                                      for r in rows if r["mode"] == mode), flush=True)
-    meta = dict(cores=[CORES[0], ECHO_CORE], host_cores=os.cpu_count(), quick=a.quick)
+        print(f"round {rnd + 1} {mode}: " + ", ".join(
+            f"{_human(r['size'])} {r['us']:.1f} us" for r in rows
+            if r["mode"] == mode and r["round"] == rnd), flush=True)
+    meta = dict(cores=[CORES[0], ECHO_CORE], host_cores=os.cpu_count(), quick=a.quick,
+                rounds=a.rounds)
     md = markdown(rows, meta)
     print(md)
     a.out.mkdir(parents=True, exist_ok=True)

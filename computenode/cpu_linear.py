@@ -5,13 +5,15 @@ and BLAS libraries, tuned for larger problems, run far below both memory bandwid
 peak. Two paths, best first:
 
 * **Packed C++ kernel** (``kernels/csrc/skinny_linear_cpu.cpp``): :func:`use_skinny_linear`
-  packs each constant weight once into 32-column panels (``ext.pack_linear_weight``) and the
-  node calls ``ext.skinny_linear``, which keeps a 12 x 32 block of outputs in registers (2 x
-  32 on an AVX2-only CPU) and reads each weight once per call. Measured on this project's 2-core AVX-512 machine, one
-  thread: 2-4x ``F.linear`` at 1-16 rows (``bench/linear.py``). Float32 and bfloat16 weights
-  (bfloat16 panels are half the bytes, widened in registers). Used when the C++ extension is
-  available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy doubles the
-  weights' memory on the replica.
+  packs each constant weight once into panels (``ext.pack_linear_weight``; the layout depends
+  on the instruction set) and the node calls ``ext.skinny_linear``, which keeps a block of
+  outputs in registers (12 x 32 with AVX-512; with AVX2, 2 rows x 6 weight rows of 8-lane
+  partial sums) and reads each weight once per call. One thread, one pass over SmolLM2's
+  weights (``bench/linear.py``): 2-4x ``F.linear`` at 1-16 rows on the AVX-512 machine of
+  earlier runs; 1.9x / 2.1x / 1.6x at 1 / 8 / 16 rows on an AVX2 Zen 3. Float32 and bfloat16
+  weights (bfloat16 panels are half the bytes, widened in registers). Used when the C++
+  extension is available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy
+  doubles the weights' memory on the replica.
 * **``W @ x^T``**: with few rows MKL's float32 GEMM is faster with the weight as the tall left
   operand than ``x @ W^T`` (what ``F.linear`` asks for): a 49152 x 576 LM head on 8 rows took
   48 ms as ``F.linear`` and 13 ms as ``W @ x^T``.
@@ -45,12 +47,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (possibly non-contiguous). ``panels``: ``weight`` packed by ``ext.pack_linear_weight``
     (then the C++ kernel runs it, in float32 math; a bfloat16 layer gets its float32 result
     rounded to bfloat16, as ``F.linear`` rounds its float32 accumulators)."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    shape = x.shape
+    rows = x.numel() // max(shape[-1], 1)
+    if panels is not None and x.dtype == torch.float32 and 0 < rows <= SKINNY_ROWS and (
+            bias is None or bias.dtype == torch.float32):
+        # the decode case, once per layer per slice: as few Python-level calls as possible
+        # (panels exist only for CPU weights, so x is on the CPU too)
+        out = (_ext or cpp_ext.load()).skinny_linear(x.reshape(rows, shape[-1]), panels,
+                                                     weight.shape[0], bias)
+        return out.view(*shape[:-1], weight.shape[0])
     if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0 or (
             x.dtype != torch.float32 and (panels is None or x.dtype != weight.dtype
                                           or rows > BF16_PACKED_ROWS)):
         return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, x.shape[-1])
+    x2 = x.reshape(rows, shape[-1])
     if panels is not None:  # float32 math; bfloat16 in and out when the layer is bfloat16
         out = (_ext or cpp_ext.load()).skinny_linear(
             x2.float(), panels, weight.shape[0], None if bias is None else bias.float())
@@ -59,7 +69,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = torch.mm(weight, x2.t()).t()
         if bias is not None:
             out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.reshape(*shape[:-1], weight.shape[0])
 
 
 def packing_available() -> bool:

@@ -3,22 +3,32 @@
 // A decode step multiplies a few rows (one per request of a micro-batch) by every weight of the
 // model, so it streams the weights from memory once per step and does little work per byte.
 // BLAS libraries tune for square-ish problems; at M <= 64 they reach a fraction of what either
-// memory bandwidth or the FMA units allow. This kernel is the BLIS/GotoBLAS micro-kernel shape
-// specialised for that case:
+// memory bandwidth or the FMA units allow. Two register-blocked kernels, one per instruction
+// set, both reading every weight from memory once per call:
 //
-// * pack_linear_weight(w[N,K]) -> panels[P, K, kNR] (P = ceil(N / kNR), zero-padded rows past
-//   N): panel p holds rows p*kNR .. p*kNR+kNR-1 of w, transposed, so the kernel reads every
-//   panel front to back, one cache line per k. float32 or bfloat16 (kept as bfloat16: half the
-//   bytes; widened to float32 exactly in registers).
-// * skinny_linear(x[M,K] float32, panels, N, bias?) -> y[M,N] float32: for each panel (threads
-//   split the panels: at::parallel_for), for each block of up to kMaxMR rows of x (12 with
-//   AVX-512, 2 with AVX2), kMR x kNR float32 accumulators live in registers; each step over k
-//   loads one panel row (kNR weights) and broadcasts one x value per row. The panel
-//   (K * kNR * 4 bytes <= 256 KB for K <= 2048) stays in L2 while the row blocks reuse it, so
-//   memory traffic is the weights once.
+// * AVX-512 (and the plain loops): the BLIS/GotoBLAS broadcast shape.
+//   pack_linear_weight(w[N,K]) -> panels[P, K, 32] (P = ceil(N / 32), zero-padded rows past
+//   N): panel p holds rows 32p .. 32p+31 of w, transposed. For each block of up to 12 rows of
+//   x, 12 x 32 float32 accumulators live in registers; each step over k loads one panel row and
+//   broadcasts one x value per row. The panel (K * 128 bytes) stays in L2 while the row blocks
+//   reuse it.
+// * AVX2 + FMA: the dot-product shape. On the AVX2 machines measured here (AMD Zen 3) a
+//   broadcast from memory issues about once per two cycles, which held the broadcast kernel to
+//   ~30 GFLOP/s with more than 2 rows per block (about a quarter of FMA peak).
+//   pack_linear_weight -> panels[P, KG, 6, 8] (P = ceil(N / 6), KG = ceil(K / 8), zeros past N
+//   and K): panel p holds rows 6p .. 6p+5 of w, eight k at a time, so a panel is one sequential
+//   stream. For each block of 2 rows of x, 2 x 6 accumulators hold 8 partial sums each; a step
+//   loads 8 k of both x rows and of the 6 weight rows and does 12 FMAs, no broadcasts; the sums
+//   are reduced across lanes once per block. With several row blocks the kernel prefetches the
+//   next panel while it computes this one (spread over the blocks' steps), so the weight stream
+//   overlaps the arithmetic instead of alternating with it.
 //
-// Accumulation is float32 in k order per output, as a naive loop would: results differ from
-// MKL/oneDNN only by float rounding.
+// skinny_linear(x[M,K] float32, panels, N, bias?) -> y[M,N] float32 (x must have the packed
+// weight's K; the AVX2 layout only records ceil(K / 8), so it cannot tell K from K rounded up
+// to 8, where the weight's padding is zeros); threads split the panels
+// (at::parallel_for). float32 or bfloat16 panels (bfloat16: half the bytes, widened to float32
+// exactly in registers). Accumulation is float32; the order of the additions differs from
+// MKL/oneDNN (and between the two shapes), so results differ by float rounding only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -30,13 +40,114 @@
 
 namespace {
 
-constexpr int64_t kNR = 32;   // output columns per panel (two AVX-512 / four AVX2 vectors)
+#if LAMINA_AVX2
+// ---- AVX2: the dot-product shape (see the top of the file) ----------------------------------
+using lamina_simd::Vec;
+constexpr int64_t kLanes = Vec::W;  // k per step
+constexpr int64_t kNR = 6;          // weight rows per panel
+constexpr int kMR = 2;              // rows of x per block: 2 x 6 accumulators, 2 x, 1 weight
 
-#if LAMINA_SIMD
+at::Tensor pack(const at::Tensor& w) {  // [N, K] -> [P, KG, kNR, kLanes]
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
+  const int64_t KG = (K + kLanes - 1) / kLanes;
+  at::Tensor padded = at::zeros({P * kNR, KG * kLanes}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({P, kNR, KG, kLanes}).transpose(1, 2).contiguous();
+}
+
+bool panels_match(const at::Tensor& panels, int64_t K) {
+  return panels.dim() == 4 && panels.size(1) == (K + kLanes - 1) / kLanes &&
+         panels.size(2) == kNR && panels.size(3) == kLanes;
+}
+
+// acc[m][n] += x[m, k:k+8] * w[n, k:k+8] for one step (w: the step's kNR x kLanes weights).
+template <int MR, typename W>
+inline void step(Vec::R (&acc)[MR][kNR], const Vec::R (&xv)[MR], const W* w) {
+  for (int n = 0; n < kNR; ++n) {
+    Vec::R wv = Vec::load(w + n * kLanes);
+    // In a register, once: left alone, GCC folds the load into every row's FMA, and the
+    // loads, not the FMAs, then bound the loop.
+    asm("" : "+x"(wv));
+    for (int m = 0; m < MR; ++m) acc[m][n] = Vec::fmadd(xv[m], wv, acc[m][n]);
+  }
+}
+
+// y[m, 0:nc] = x[m] . panel rows (+ bias) for m < MR. Issues up to lpi prefetches per step
+// from pf (advanced) while pf < pf_end.
+template <int MR, typename W>
+inline void block(const float* x, int64_t ldx, int64_t K, const W* panel, int64_t KG, float* y,
+                  int64_t ldy, int nc, const float* bias, const char*& pf_io, const char* pf_end,
+                  int lpi) {
+  Vec::R acc[MR][kNR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < kNR; ++n) acc[m][n] = Vec::zero();
+  const int64_t full = K / kLanes;  // steps with kLanes columns of x
+  const char* pf = pf_io;
+  for (int64_t g = 0; g < full; ++g) {
+    Vec::R xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = Vec::load(x + m * ldx + g * kLanes);
+    for (int i = 0; i < lpi; ++i) {
+      if (pf < pf_end) {
+        _mm_prefetch(pf, _MM_HINT_T0);
+        pf += 64;
+      }
+    }
+    step<MR, W>(acc, xv, panel + g * kNR * kLanes);
+  }
+  pf_io = pf;
+  if (full < KG) {  // the last step is partial: x padded with zeros (the panel already is)
+    Vec::R xv[MR];
+    alignas(64) float t[kLanes];
+    for (int m = 0; m < MR; ++m) {
+      for (int64_t i = 0; i < kLanes; ++i)
+        t[i] = full * kLanes + i < K ? x[m * ldx + full * kLanes + i] : 0.f;
+      xv[m] = Vec::load(t);
+    }
+    step<MR, W>(acc, xv, panel + full * kNR * kLanes);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < nc; ++n) y[m * ldy + n] = Vec::hsum(acc[m][n]) + (bias ? bias[n] : 0.f);
+}
+
+template <typename W>
+void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bias,
+         at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), KG = panels.size(1);
+  const float* xp = x.data_ptr<float>();
+  const W* pp = panels.data_ptr<W>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nblocks = (M + kMR - 1) / kMR, panel_elems = KG * kNR * kLanes;
+  // With one block the weight stream is all there is: the hardware prefetcher keeps up.
+  // With several, the next panel's lines are spread over all the steps of this panel.
+  const int64_t lines = nblocks > 1 ? panel_elems * static_cast<int64_t>(sizeof(W)) / 64 : 0;
+  const int lpi = static_cast<int>((lines + nblocks * KG - 1) / (nblocks * KG));
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const W* panel = pp + p * panel_elems;
+      const int nc = static_cast<int>(std::min(kNR, N - p * kNR));
+      const char* pf = reinterpret_cast<const char*>(panel + panel_elems);
+      const char* pf_end = p + 1 < p1 ? pf + lines * 64 : pf;
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const float* xb = xp + m0 * K;
+        float* yb = yp + m0 * N + p * kNR;
+        const float* bb = bias ? bias + p * kNR : nullptr;
+        if (M - m0 >= kMR)
+          block<kMR, W>(xb, K, K, panel, KG, yb, N, nc, bb, pf, pf_end, lpi);
+        else
+          block<1, W>(xb, K, K, panel, KG, yb, N, nc, bb, pf, pf_end, lpi);
+      }
+    }
+  });
+}
+#else
+// ---- AVX-512 and the plain loops: the broadcast shape -----------------------------------------
+constexpr int64_t kNR = 32;   // output columns per panel (two AVX-512 vectors)
+
+#if LAMINA_AVX512
 using lamina_simd::Vec;
 constexpr int kNV = kNR / Vec::W;  // vectors per panel row
 // Rows of x per register block: MR * kNV accumulators, plus the panel row and x broadcasts.
-constexpr int kMaxMR = Vec::kRegs == 32 ? 12 : 2;
+constexpr int kMaxMR = 12;
 
 // y[m, 0:ncols] (+)= sum_k x[m, k] * panel[k, 0:ncols] for m < MR.
 template <int MR, typename W>
@@ -100,6 +211,17 @@ inline void block_dispatch(int mr, const float* x, int64_t ldx, const W* panel, 
   }
 }
 
+at::Tensor pack(const at::Tensor& w) {  // [N, K] -> [P, K, kNR]
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
+  at::Tensor padded = at::zeros({P * kNR, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, kNR, K}).transpose(1, 2).contiguous();
+}
+
+bool panels_match(const at::Tensor& panels, int64_t K) {
+  return panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kNR;
+}
+
 template <typename W>
 void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bias,
          at::Tensor& y) {
@@ -124,6 +246,8 @@ void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* 
   });
 }
 
+#endif  // LAMINA_AVX2
+
 }  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& w) {
@@ -131,21 +255,17 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
               "pack_linear_weight: weight must be float32 or bfloat16");
   TORCH_CHECK(w.device().is_cpu(), "pack_linear_weight: weight must be on the CPU");
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
-  at::Tensor padded = at::zeros({P * kNR, K}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  // [P, kNR, K] -> [P, K, kNR]
-  return padded.view({P, kNR, K}).transpose(1, 2).contiguous();
+  return pack(w);
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "skinny_linear: x must be a float32 CPU matrix [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kNR && panels.is_contiguous(),
+  TORCH_CHECK(panels.dim() >= 3 && panels.is_contiguous(),
               "skinny_linear: panels must come from pack_linear_weight");
-  TORCH_CHECK(panels.size(1) == x.size(1), "skinny_linear: x has ", x.size(1),
-              " columns, the weight ", panels.size(1));
+  TORCH_CHECK(panels_match(panels, x.size(1)), "skinny_linear: x has ", x.size(1),
+              " columns, which the packed weight ", panels.sizes(), " does not have");
   TORCH_CHECK(N > (panels.size(0) - 1) * kNR && N <= panels.size(0) * kNR,
               "skinny_linear: N does not match the packed weight");
   const at::Tensor xc = x.contiguous();

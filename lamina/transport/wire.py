@@ -320,9 +320,12 @@ def unpack_preamble(header: Header, data: Buffer, limits: WireLimits = DEFAULT_L
 def decode_kind(kind: int) -> MsgKind:
     """The :class:`MsgKind` of a header's kind field; :class:`WireError` when unknown."""
     try:
-        return MsgKind(kind)
-    except ValueError:
+        return _KIND_OF[kind]  # a dict lookup: MsgKind(kind) costs ~0.6 us per message
+    except (KeyError, TypeError):
         raise WireError(f"unknown message kind {kind}") from None
+
+
+_KIND_OF: dict[int, MsgKind] = {int(k): k for k in MsgKind}
 
 
 def decode_meta(data: bytes) -> dict[str, Any]:
