@@ -207,35 +207,33 @@ def main(argv: list[str] | None = None) -> None:
     sizes = QUICK_SIZES if a.quick else SIZES
     rows: list[dict] = []
 
-    def add(mode: str, size: int, times: list[float]) -> None:
+    def add(rnd: int, mode: str, size: int, times: list[float]) -> None:
         rows.append(dict(mode=mode, size=size, us=statistics.median(times) * 1e6,
                          batches=len(times), round=rnd))
 
     from lamina.transport.endpoint import SPIN_US
     modes = (("shm spin", "shm", float("inf")), ("shm brief", "shm", SPIN_US),
              ("shm spin py", "shm", float("inf")), ("tcp", "tcp", SPIN_US))
-    for rnd, mode, kind, spin in ((r, *m) for r in range(a.rounds)
-                                  for m in (("raw", None, None), *modes)):
-        if mode == "raw":
-            for size in sizes:
-                add("raw", size, raw_round_trip(size, _trips(size, a.quick)))
-            continue
-        python_ring = mode.endswith(" py")  # the shm ring without its C++ fast path
-        old = os.environ.get("LAMINA_KERNELS")
-        if python_ring:  # read when the channels are made, here and in the spawned echo
-            os.environ["LAMINA_KERNELS"] = "torch"
-        try:
-            for size, times in channel_round_trips(kind, spin, sizes, a.quick).items():
-                add(mode, size, times)
-        finally:
-            if python_ring:
-                if old is None:
-                    os.environ.pop("LAMINA_KERNELS", None)
-                else:
-                    os.environ["LAMINA_KERNELS"] = old
-        print(f"round {rnd + 1} {mode}: " + ", ".join(
-            f"{_human(r['size'])} {r['us']:.1f} us" for r in rows
-            if r["mode"] == mode and r["round"] == rnd), flush=True)
+    for rnd in range(a.rounds):  # every mode once per round: drift hits them alike
+        for size in sizes:
+            add(rnd, "raw", size, raw_round_trip(size, _trips(size, a.quick)))
+        for mode, kind, spin in modes:
+            python_ring = mode.endswith(" py")  # the shm ring without its C++ fast path
+            old = os.environ.get("LAMINA_KERNELS")
+            if python_ring:  # read when the channels are made, here and in the spawned echo
+                os.environ["LAMINA_KERNELS"] = "torch"
+            try:
+                for size, times in channel_round_trips(kind, spin, sizes, a.quick).items():
+                    add(rnd, mode, size, times)
+            finally:
+                if python_ring:
+                    if old is None:
+                        os.environ.pop("LAMINA_KERNELS", None)
+                    else:
+                        os.environ["LAMINA_KERNELS"] = old
+            print(f"round {rnd + 1} {mode}: " + ", ".join(
+                f"{_human(r['size'])} {r['us']:.1f} us" for r in rows
+                if r["mode"] == mode and r["round"] == rnd), flush=True)
     meta = dict(cores=[CORES[0], ECHO_CORE], host_cores=os.cpu_count(), quick=a.quick,
                 rounds=a.rounds)
     md = markdown(rows, meta)

@@ -7,7 +7,7 @@
 // set, both reading every weight from memory once per call:
 //
 // * AVX-512 (and the plain loops): the BLIS/GotoBLAS broadcast shape.
-//   pack_linear_weight(w[N,K]) -> panels[P, K, 32] (P = ceil(N / 32), zero-padded rows past
+//   pack_linear_weight(w[N,K]) -> panels[P, K, 32, 1] (P = ceil(N / 32), zero-padded rows past
 //   N): panel p holds rows 32p .. 32p+31 of w, transposed. For each block of up to 12 rows of
 //   x, 12 x 32 float32 accumulators live in registers; each step over k loads one panel row and
 //   broadcasts one x value per row. The panel (K * 128 bytes) stays in L2 while the row blocks
@@ -46,19 +46,6 @@ using lamina_simd::Vec;
 constexpr int64_t kLanes = Vec::W;  // k per step
 constexpr int64_t kNR = 6;          // weight rows per panel
 constexpr int kMR = 2;              // rows of x per block: 2 x 6 accumulators, 2 x, 1 weight
-
-at::Tensor pack(const at::Tensor& w) {  // [N, K] -> [P, KG, kNR, kLanes]
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
-  const int64_t KG = (K + kLanes - 1) / kLanes;
-  at::Tensor padded = at::zeros({P * kNR, KG * kLanes}, w.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
-  return padded.view({P, kNR, KG, kLanes}).transpose(1, 2).contiguous();
-}
-
-bool panels_match(const at::Tensor& panels, int64_t K) {
-  return panels.dim() == 4 && panels.size(1) == (K + kLanes - 1) / kLanes &&
-         panels.size(2) == kNR && panels.size(3) == kLanes;
-}
 
 // acc[m][n] += x[m, k:k+8] * w[n, k:k+8] for one step (w: the step's kNR x kLanes weights).
 template <int MR, typename W>
@@ -141,7 +128,8 @@ void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* 
 }
 #else
 // ---- AVX-512 and the plain loops: the broadcast shape -----------------------------------------
-constexpr int64_t kNR = 32;   // output columns per panel (two AVX-512 vectors)
+constexpr int64_t kLanes = 1;  // k per step
+constexpr int64_t kNR = 32;    // output columns per panel (two AVX-512 vectors)
 
 #if LAMINA_AVX512
 using lamina_simd::Vec;
@@ -211,17 +199,6 @@ inline void block_dispatch(int mr, const float* x, int64_t ldx, const W* panel, 
   }
 }
 
-at::Tensor pack(const at::Tensor& w) {  // [N, K] -> [P, K, kNR]
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
-  at::Tensor padded = at::zeros({P * kNR, K}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  return padded.view({P, kNR, K}).transpose(1, 2).contiguous();
-}
-
-bool panels_match(const at::Tensor& panels, int64_t K) {
-  return panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kNR;
-}
-
 template <typename W>
 void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bias,
          at::Tensor& y) {
@@ -248,6 +225,22 @@ void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* 
 
 #endif  // LAMINA_AVX2
 
+// Both shapes share one layout: panels[P, KG, kNR, kLanes] (P = ceil(N / kNR), KG = ceil(K /
+// kLanes), zeros past N and K): panel p holds rows p*kNR .. p*kNR+kNR-1 of w, kLanes k at a
+// time (the broadcast shape: kLanes = 1, i.e. the panel transposed).
+at::Tensor pack(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
+  const int64_t KG = (K + kLanes - 1) / kLanes;
+  at::Tensor padded = at::zeros({P * kNR, KG * kLanes}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({P, kNR, KG, kLanes}).transpose(1, 2).contiguous();
+}
+
+bool panels_match(const at::Tensor& panels, int64_t K) {
+  return panels.dim() == 4 && panels.size(1) == (K + kLanes - 1) / kLanes &&
+         panels.size(2) == kNR && panels.size(3) == kLanes;
+}
+
 }  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& w) {
@@ -262,7 +255,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "skinny_linear: x must be a float32 CPU matrix [M, K]");
-  TORCH_CHECK(panels.dim() >= 3 && panels.is_contiguous(),
+  TORCH_CHECK(panels.is_contiguous(),
               "skinny_linear: panels must come from pack_linear_weight");
   TORCH_CHECK(panels_match(panels, x.size(1)), "skinny_linear: x has ", x.size(1),
               " columns, which the packed weight ", panels.sizes(), " does not have");
