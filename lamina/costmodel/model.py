@@ -287,14 +287,17 @@ def _dense_kind(model: ModelSpec, dev: Device, tokens: float, tp: int, mfu: MfuL
 
 
 def offloaded(model: ModelSpec, compute: Device, memory: Device, n_compute: int, n_memory: int,
-              context: int, a: Assumptions = DEFAULT, batch: int | None = None) -> Estimate:
+              context: int, a: Assumptions = DEFAULT, batch: int | None = None,
+              tp: int | None = None) -> Estimate:
     """Attention-offloaded deployment: weights on ``n_compute`` compute devices (replicas of
-    ``tp_degree`` devices), KV and attention on ``n_memory`` memory devices. ``batch`` defaults
-    to the largest that fits (replicas * max_batch, KV capacity). Raises Infeasible."""
-    tp = tp_degree(model, compute, a)
-    if n_compute < tp or n_compute % tp or n_memory < 1:
-        raise Infeasible(f"{compute.name} x{n_compute}: weights need a multiple of {tp} devices"
-                         f" and at least one memory device (got {n_memory})")
+    ``tp`` devices; default and minimum :func:`tp_degree`), KV and attention on ``n_memory``
+    memory devices. ``batch`` defaults to the largest that fits (replicas * max_batch, KV
+    capacity). Raises Infeasible."""
+    tp_min = tp_degree(model, compute, a)
+    tp = tp or tp_min
+    if tp < tp_min or n_compute < tp or n_compute % tp or n_memory < 1:
+        raise Infeasible(f"{compute.name} x{n_compute}: weights need a multiple of {tp_min} devices"
+                         f" ({tp} asked) and at least one memory device (got {n_memory})")
     replicas = n_compute // tp
     kv_cap = math.floor(n_memory * a.usable_memory * memory.memory_bytes / (context * model.kv_bytes_per_token) + 1e-9)
     b = min(replicas * a.max_batch, kv_cap) if batch is None else batch
@@ -353,11 +356,11 @@ class Ratio:
 
 
 def device_ratio(model: ModelSpec, compute: Device, memory: Device, batch: int, context: int,
-                 n_compute: int | None = None, a: Assumptions = DEFAULT) -> Ratio:
+                 n_compute: int | None = None, a: Assumptions = DEFAULT, tp: int | None = None) -> Ratio:
     """Fewest memory devices for ``batch`` requests of ``context`` tokens so that KV fits and
     neither attention nor memory-side network is slower than the dense part on
-    ``n_compute`` devices (default: one replica)."""
-    tp = tp_degree(model, compute, a)
+    ``n_compute`` devices (default: one replica of ``tp``, default :func:`tp_degree`)."""
+    tp = tp or tp_degree(model, compute, a)
     n_compute = n_compute or tp
     t_c = _compute_period(model, compute, batch / (n_compute // tp), tp, a)
     up = lambda x: max(1, math.ceil(x - 1e-9))  # noqa: E731

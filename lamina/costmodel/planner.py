@@ -110,16 +110,18 @@ def best_homogeneous(model: ModelSpec, dev: Device, context: int, a: Assumptions
 
 
 def best_per_dollar(model: ModelSpec, compute: Device, memory: Device, context: int,
-                    n_compute: int | None = None, a: Assumptions = DEFAULT) -> Estimate:
+                    n_compute: int | None = None, a: Assumptions = DEFAULT, tp: int | None = None) -> Estimate:
     """Offloaded deployment with the highest tokens/s/$ for ``n_compute`` compute devices
-    (default one replica), over memory-device counts up to the one that saturates them."""
-    n_compute = n_compute or tp_degree(model, compute, a)
-    batch = n_compute // tp_degree(model, compute, a) * a.max_batch
-    full = device_ratio(model, compute, memory, batch, context, n_compute, a).n_memory
+    (default one replica) in replicas of ``tp`` (default :func:`tp_degree`), over
+    memory-device counts up to the one that saturates them."""
+    tp = tp or tp_degree(model, compute, a)
+    n_compute = n_compute or tp
+    batch = n_compute // tp * a.max_batch
+    full = device_ratio(model, compute, memory, batch, context, n_compute, a, tp).n_memory
     best = None
     for m in range(1, full + 1):
         try:
-            est = offloaded(model, compute, memory, n_compute, m, context, a)
+            est = offloaded(model, compute, memory, n_compute, m, context, a, tp=tp)
         except Infeasible:
             continue
         if best is None or est.per_dollar > best.per_dollar:

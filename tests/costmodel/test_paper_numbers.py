@@ -21,7 +21,8 @@ import math
 import pytest
 
 from lamina.costmodel.hardware import Device, load_catalog
-from lamina.costmodel.model import PRESETS, Assumptions, min_interconnect_bandwidth, paper_min_bandwidth
+from lamina.costmodel.model import (PRESETS, Assumptions, homogeneous, min_interconnect_bandwidth,
+                                    paper_min_bandwidth)
 from lamina.costmodel.planner import best_homogeneous, best_per_dollar
 
 CAT = load_catalog(use_env=False)
@@ -108,28 +109,52 @@ def test_fig13_shape_offloading_wins_and_grows_with_context():
     assert r33[-1] > r13[-1]  # the larger model gains more (less KV room on its devices)
 
 
+TABLE3_DEVICES = {name: tp for name, (tp, _) in TABLE3.items()}
+
+
+def whole_batch(mfu, microbatches: int = 2):
+    """The MFU curve seen by one of ``microbatches`` micro-batches when the dense part is
+    credited with the MFU of the whole batch (the ideal pipeline of the paper's §4.1 analysis)."""
+    return lambda b: mfu(microbatches * b)
+
+
 def fig1_ratio(name: str, context: int, alpha: float = 3.27) -> float:
-    """Fig. 1 setting: A100 compute; memory devices with A100 capacity and bandwidth at
-    1/alpha of its price (in eighths, so the ratio is enumerated finely)."""
-    m = PRESETS[name]
+    """Fig. 1 (Lamina §4.1): offloaded over homogeneous tokens/s/$, A100-80G compute.
+
+    Inputs Fig. 1 does not publish, stated here:
+    * devices per model: Table 3's (13B on 1, 33B on 2, 65B on 4 A100s, tensor parallel), for
+      the homogeneous cluster and for the compute side of the offloaded one alike;
+    * memory devices: A100 capacity and bandwidth at 1/alpha of its price (§4.1), bought in
+      eighths so the ratio of the two kinds is enumerated finely; 90 % of memory usable;
+    * MFU: this file's curve; the offloaded dense part runs at the whole batch's MFU and
+      overlaps attention completely (step = the slower of the two), the homogeneous one runs
+      dense then attention (times add).
+    """
+    m, tp = PRESETS[name], TABLE3_DEVICES[name]
     pool = Device("A100/alpha", "gpu", A100.price_usd / alpha / 8, A100.memory_gb / 8,
-                  A100.mem_bw_gbps / 8, 1, 25, roles=("memory",))
-    a = Assumptions(mfu=paper_mfu(1))
-    return best_per_dollar(m, A100, pool, context, a=a).per_dollar / best_homogeneous(m, A100, context, a).per_dollar
+                  A100.mem_bw_gbps / 8, A100.bf16_tflops / 8, A100.nic_gbps, roles=("memory",))
+    off = best_per_dollar(m, A100, pool, context, a=Assumptions(mfu=whole_batch(paper_mfu(tp))), tp=tp)
+    base = homogeneous(m, A100, tp, context, Assumptions(mfu=paper_mfu(tp)), tp=tp)
+    return off.per_dollar / base.per_dollar
 
 
-def test_fig1_llama13b_advantage_grows_with_context():
-    r = [fig1_ratio("llama-13b", c) for c in (512, 2048, 4096, 16384)]
-    assert all(b > a for a, b in zip(r, r[1:])) and r[-1] > 1.5
+def test_fig1_advantage_grows_with_context():
+    for name in TABLE3_DEVICES:
+        r = [fig1_ratio(name, c) for c in (512, 2048, 4096, 16384)]
+        assert all(b > a for a, b in zip(r, r[1:])) and r[-1] > 5, (name, r)
 
 
-@pytest.mark.xfail(strict=True, reason="not reproduced; Fig. 1's models, MFU curve and homogeneous "
-                   "configurations are not published. With this file's MFU curve: this planner "
-                   "(2 micro-batches, network, best TP 1..8 for the baseline) gives 0.98/0.61/0.66x "
-                   "for 13B/33B/65B; an idealised reading (whole-batch MFU, step = max(dense, "
-                   "attention), memory priced at A100/alpha for capacity and bandwidth) gives 2.11x "
-                   "for 13B with the baseline on one A100 but 1.17-1.66x when the baseline may use "
-                   "more A100s (33B and 65B need several)")
-@pytest.mark.parametrize("name", ["llama-13b", "llama-33b", "llama-65b"])
+@pytest.mark.parametrize("name", ["llama-13b", "llama-33b"])
 def test_fig1_2_1_to_2_8x_at_context_512(name):
+    """Paper: 2.1x-2.8x at context 512 with alpha = 3.27. Fig. 1 does not name its models; these
+    are the two the paper evaluates (§6). Ours: 13B 2.11x, 33B 2.08x (65B, Table 3's third
+    model: 1.67x, below; see the next test). When the homogeneous baseline may use 1..8 A100s,
+    more KV room lifts it and the ratios drop to 1.58x / 1.30x / 1.17x: Fig. 1's 2.1x needs
+    the baseline on Table 3's device counts."""
     assert 2.1 * 0.85 <= fig1_ratio(name, 512) <= 2.8 * 1.15
+
+
+def test_fig1_llama65b_below_the_published_range():
+    """The 65B model, on 4 A100s both ways, gains less at context 512 (its homogeneous
+    deployment has relatively more KV room): 1.67x, under Fig. 1's 2.1x low end."""
+    assert 1.5 < fig1_ratio("llama-65b", 512) < fig1_ratio("llama-33b", 512)
