@@ -144,6 +144,13 @@ def test_tp_degree_and_infeasible():
     with pytest.raises(Infeasible, match="KV room for 0"):
         homogeneous(ROUND, small, 2, 1000, a)  # 2e7 B per request > 1.6e7
     assert homogeneous(ROUND, small, 3, 100, a, tp=3).batch == 58  # (3e8 - 1.84e8) // 2e6
+    # offloaded replicas of a chosen size: 4 devices as one replica of 4 share its dense work
+    one = offloaded(ROUND, small, M, 4, 4, 100, a, batch=8, tp=4)
+    two = offloaded(ROUND, small, M, 4, 4, 100, a, batch=8)  # two replicas of two, 4 each
+    assert one.t_compute == pytest.approx(2 * nonattn_time(ROUND, small, 4, 0.5, 4))
+    assert two.t_compute == pytest.approx(2 * nonattn_time(ROUND, small, 2, 0.5, 2))
+    with pytest.raises(Infeasible, match=r"\(1 asked\)"):
+        offloaded(ROUND, small, M, 4, 4, 100, a, tp=1)  # below the weights' minimum
 
 
 def test_hf_config_dict_and_errors():
