@@ -12,6 +12,7 @@ import torch
 
 from lamina.computenode.cpu_linear import use_skinny_linear
 from lamina.computenode.cuda_graphs import SliceGraphs, capture_sizes
+from lamina.computenode.fast_ops import use_fast_ops
 from lamina.computenode.sampling import Sampler
 from lamina.splitter import SplitModel
 from lamina.types import SamplingParams, StepPlan
@@ -23,8 +24,9 @@ class ComputeReplica:
         self.split = split
         self.device = torch.device(device)
         self.sampler = sampler or Sampler()
-        if self.device.type == "cpu":
-            for gm in split.slices:
+        for gm in split.slices:
+            use_fast_ops(gm)
+            if self.device.type == "cpu":
                 use_skinny_linear(gm)
         self.graphs: SliceGraphs | None = None
         if cuda_graph_tokens > 0:  # raises where the device cannot capture them
