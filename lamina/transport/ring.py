@@ -62,6 +62,8 @@ class RingChannel(Channel):
         self.limits = limits
         self._spin_s = spin_us * 1e-6
         self._wake = wake_interval
+        self._forever = spin_us == float("inf")  # a receiver that owns its core: never sleeps
+        self._spin_ns = int(min(self._spin_s, wake_interval) * 1e9)  # per fast receive call
         self._tx_head = int(tx.ctl[HEAD])
         self._rx_tail = int(rx.ctl[TAIL])
         self._dec = StreamDecoder(limits)
@@ -107,9 +109,9 @@ class RingChannel(Channel):
     # ------------------------------------------------------------------ waiting
 
     def _wait(self, ring: RingMemory, flag: int, bell: Bell, word: int, base: int, need: int,
-              check: Callable[[], None], deadline: float | None) -> bool:
+              check: Callable[[], None], deadline: float | None, spin_s: float | None = None) -> bool:
         return wait_for(ring, flag, bell, word, base, need, check, deadline,
-                        self._spin_s, self._wake, self._fast)
+                        self._spin_s if spin_s is None else spin_s, self._wake, self._fast)
 
     def _check_rx(self) -> None:
         if self._closed:
@@ -213,8 +215,11 @@ class RingChannel(Channel):
                 if self._closed:
                     raise ChannelClosed("channel is closed")
                 if fast is not None and not self._dec.in_progress:
+                    # one call: spin (no GIL) up to the spin time or the next liveness check
+                    spin = self._spin_ns if deadline is None else min(
+                        self._spin_ns, max(0, int((deadline - time.monotonic()) * 1e9)))
                     got = fast.ring_recv(ring.ctl_addr, ring.data_addr, cap, self._rx_tail,
-                                         self._recv_limits)
+                                         self._recv_limits, spin, 16 if self._forever else 0)
                     status = got[0]
                     if status > _SLOW_PATH:  # a whole message: got[0] is the tail past it
                         msg = self._accept(got)
@@ -224,10 +229,14 @@ class RingChannel(Channel):
                         if ring.mirrored:
                             ring.store(TAIL, status)
                         return msg
-                    if status == _EMPTY:
-                        if not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_tail,
-                                          1, self._check_rx, deadline):
-                            raise TimeoutError(f"no message within {timeout} s")
+                    if status == _EMPTY:  # the spin is spent: check the peer, then go on
+                        if self._forever:  # spinning, or
+                            self._check_rx()
+                            if deadline is not None and time.monotonic() >= deadline:
+                                raise TimeoutError(f"no message within {timeout} s")
+                        elif not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_tail,
+                                            1, self._check_rx, deadline, spin_s=0.0):
+                            raise TimeoutError(f"no message within {timeout} s")  # blocking
                         continue
                 view = self._dec.buffer()  # raises WireError once the stream is corrupt
                 avail = ctl[HEAD] - self._rx_tail

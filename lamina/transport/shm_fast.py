@@ -7,7 +7,10 @@ Python per message:
   into the ring when it fits in the free space: each tensor is copied once, no intermediate
   buffer, no Python per tensor;
 * ``ring_recv``: copies a whole, well-formed message out of the ring into fresh tensors (one
-  copy each) and returns its fields; ``ring_commit`` then frees its bytes;
+  copy each) and returns its fields, after spinning (without the GIL) up to a given time for
+  one to arrive, so a receiver that is already waiting costs one call; ``ring_commit`` then
+  frees its bytes. Messages up to 64 KB are copied without dropping the GIL (cheaper than the
+  hand-over);
 * ``ring_wait``: spins on a control word without the GIL (so a role's other threads run while
   a receiver polls), yielding now and then when asked.
 

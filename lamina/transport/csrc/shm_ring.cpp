@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -113,6 +114,28 @@ struct Desc {
 #pragma pack(pop)
 static_assert(sizeof(Header) == kHeaderBytes && sizeof(Desc) == kDescBytes, "wire layout");
 
+// Messages up to this many bytes are copied with the GIL held: releasing and re-taking it
+// costs more than the copy (a 4 KB message is ~100 ns of memcpy).
+constexpr int64_t kNoGilBytes = 64 << 10;
+
+// Spins without the GIL until ready() or timeout_ns passed; yield_every > 0: sched_yield every
+// that many rounds of 64 polls, so a runnable thread of this core gets its turn.
+template <typename Ready>
+bool spin_until(Ready ready, int64_t timeout_ns, int64_t yield_every) {
+  if (ready()) return true;
+  if (timeout_ns <= 0) return false;
+  py::gil_scoped_release nogil;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+  for (int64_t polls = 1;; ++polls) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      _mm_pause();
+    }
+    if (yield_every > 0 && polls % yield_every == 0) sched_yield();
+    if (std::chrono::steady_clock::now() >= end) return ready();
+  }
+}
+
 // Status codes of send / recv (besides a new count).
 constexpr int64_t kNoRoom = -1;      // send: the message does not fit in the free space now
 constexpr int64_t kIneligible = -2;  // send: let the Python encoder handle (or refuse) it
@@ -165,7 +188,8 @@ std::tuple<int64_t, bool> ring_send(int64_t ctl_addr, int64_t data_addr, int64_t
   hd.meta_len = static_cast<uint32_t>(meta.size());
   hd.total = static_cast<uint64_t>(total);
   {
-    py::gil_scoped_release nogil;  // large copies let the process's other threads run
+    std::optional<py::gil_scoped_release> nogil;  // large copies let other threads run
+    if (total > kNoGilBytes) nogil.emplace();
     uint64_t at = h;
     r.put(at, &hd, kHeaderBytes), at += kHeaderBytes;
     if (n) r.put(at, descs.data(), n * kDescBytes), at += n * kDescBytes;
@@ -207,24 +231,26 @@ bool well_formed(const Header& hd, const std::vector<Desc>& descs, const Limits&
   return off == static_cast<int64_t>(hd.total);
 }
 
-// recv(ctl, data, cap, tail, limits) -> (status | new_tail, total, kind, step_id, layer,
-// reply_to, meta, tensors). status kEmpty / kSlowPath; otherwise the first field is the
+// recv(ctl, data, cap, tail, limits, spin_ns, yield_every) -> (status | new_tail, total, kind,
+// step_id, layer, reply_to, meta, tensors). With nothing there yet it first spins (without the
+// GIL) up to spin_ns for a byte to arrive. status kEmpty / kSlowPath; otherwise the first field is the
 // tail past the message (> kSlowPath), whose tensors are fresh
 // (each owns its memory). TAIL is NOT stored: the caller commits with ring_commit once it
 // accepted the message (its meta parses), so a refused message is still in the ring.
 py::tuple ring_recv(int64_t ctl_addr, int64_t data_addr, int64_t cap, int64_t tail,
-                    const std::vector<int64_t>& limits_in) {
+                    const std::vector<int64_t>& limits_in, int64_t spin_ns, int64_t yield_every) {
   const Limits lim(limits_in);
   const Ring r(ctl_addr, data_addr, cap);
   const uint64_t t = static_cast<uint64_t>(tail);
+  // the two statuses, built once (never freed: they must outlive the interpreter's teardown)
+  static const py::tuple* empty = new py::tuple(py::make_tuple(kEmpty, 0, 0, 0, 0, 0, py::bytes(), py::list()));
+  static const py::tuple* slow = new py::tuple(py::make_tuple(kSlowPath, 0, 0, 0, 0, 0, py::bytes(), py::list()));
+  if (!spin_until([&] { return r.load(kHead) != t; }, spin_ns, yield_every)) return *empty;
   const int64_t avail = static_cast<int64_t>(r.load(kHead) - t);
-  auto status = [](int64_t s, int64_t need) {
-    return py::make_tuple(s, need, 0, 0, 0, 0, py::bytes(), py::list());
-  };
-  if (avail <= 0) return status(kEmpty, 0);
+  if (avail <= 0) return *empty;
   // A message from the fast path appears whole (one HEAD store): a part of one was streamed
   // by the Python path (too big for the free space) and is decoded by it as it arrives.
-  if (avail < kHeaderBytes) return status(kSlowPath, 0);
+  if (avail < kHeaderBytes) return *slow;
   Header hd;
   r.get(t, &hd, kHeaderBytes);
   if (std::memcmp(hd.magic, kMagic, 4) != 0 || hd.version != kVersion ||
@@ -233,17 +259,18 @@ py::tuple ring_recv(int64_t ctl_addr, int64_t data_addr, int64_t cap, int64_t ta
       static_cast<int64_t>(hd.total) < align(kHeaderBytes + hd.num_tensors * kDescBytes +
                                              hd.meta_len) ||
       static_cast<int64_t>(hd.total) > cap)
-    return status(kSlowPath, 0);
+    return *slow;
   const int64_t total = static_cast<int64_t>(hd.total);
-  if (avail < total) return status(kSlowPath, 0);
+  if (avail < total) return *slow;
   std::vector<Desc> descs(hd.num_tensors);
   if (hd.num_tensors) r.get(t + kHeaderBytes, descs.data(), hd.num_tensors * kDescBytes);
-  if (!well_formed(hd, descs, lim)) return status(kSlowPath, 0);
+  if (!well_formed(hd, descs, lim)) return *slow;
   std::string meta(hd.meta_len, '\0');
   std::vector<at::Tensor> out;
   out.reserve(descs.size());
   {
-    py::gil_scoped_release nogil;
+    std::optional<py::gil_scoped_release> nogil;
+    if (total > kNoGilBytes) nogil.emplace();
     if (hd.meta_len) r.get(t + kHeaderBytes + hd.num_tensors * kDescBytes, meta.data(),
                            hd.meta_len);
     uint64_t at = t + align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
@@ -275,18 +302,9 @@ bool ring_commit(int64_t ctl_addr, int64_t tail) {
 bool ring_wait(int64_t ctl_addr, int64_t word, int64_t base, int64_t need, int64_t timeout_ns,
                int64_t yield_every) {
   const Ring r(ctl_addr, 0, 1);
-  auto ready = [&] { return static_cast<int64_t>(r.load(word) - static_cast<uint64_t>(base)) >= need; };
-  if (ready()) return true;
-  py::gil_scoped_release nogil;
-  const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
-  for (int64_t polls = 1;; ++polls) {
-    for (int i = 0; i < 64; ++i) {
-      if (ready()) return true;
-      _mm_pause();
-    }
-    if (yield_every > 0 && polls % yield_every == 0) sched_yield();
-    if (std::chrono::steady_clock::now() >= end) return ready();
-  }
+  return spin_until(
+      [&] { return static_cast<int64_t>(r.load(word) - static_cast<uint64_t>(base)) >= need; },
+      timeout_ns, yield_every);
 }
 
 }  // namespace
@@ -297,8 +315,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "ring_send(ctl, data, cap, head, kind, step_id, layer, reply_to, meta, tensors, limits) "
         "-> (new_head | -1 no room | -2 ineligible, reader_waits)");
   m.def("ring_recv", &ring_recv,
-        "ring_recv(ctl, data, cap, tail, limits) -> (new_tail | 0 empty | 2 slow path, total, "
-        "kind, step_id, layer, reply_to, meta, tensors)");
+        "ring_recv(ctl, data, cap, tail, limits, spin_ns, yield_every) -> (new_tail | 0 empty | "
+        "2 slow path, total, kind, step_id, layer, reply_to, meta, tensors)",
+        py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("tail"), py::arg("limits"),
+        py::arg("spin_ns") = 0, py::arg("yield_every") = 0);
   m.def("ring_commit", &ring_commit, "ring_commit(ctl, tail) -> writer_waits");
   m.def("ring_wait", &ring_wait,
         "ring_wait(ctl, word, base, need, timeout_ns, yield_every) -> ctl[word] - base >= need");
