@@ -31,19 +31,23 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from lamina.computenode.fast_ops import FAST  # noqa: E402
+from lamina.computenode.fast_ops import FAST, use_fast_ops  # noqa: E402
 from lamina.computenode.replica import ComputeReplica  # noqa: E402
 from lamina.models import load_model  # noqa: E402
 from lamina.splitter import split_model  # noqa: E402
 
 
 def set_form(split, fast: bool) -> None:
-    """Point every FAST node at its binding (``fast``) or back at its overload."""
+    """Point every FAST node at its binding (``fast``: what a replica runs) or back at its
+    overload (what ``torch.export`` emitted)."""
     back = {v: k for k, v in FAST.items()}
     for gm in split.slices:
+        if fast:
+            use_fast_ops(gm)
+            continue
         for node in gm.graph.nodes:
             if node.op == "call_function":
-                node.target = (FAST if fast else back).get(node.target, node.target)
+                node.target = back.get(node.target, node.target)
         gm.recompile()
 
 

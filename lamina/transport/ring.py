@@ -34,8 +34,8 @@ from abc import abstractmethod
 from typing import Any, Callable, Sequence
 
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
-from lamina.transport.ring_memory import (HEAD, R_CLOSED, R_WAIT, TAIL, W_CLOSED, W_WAIT, Bell,
-                                          RingMemory, fence, wait_for)
+from lamina.transport.ring_memory import (HEAD, R_CLOSED, R_WAIT, TAIL, W_CLOSED, W_WAIT, YIELD_EVERY,
+                                          Bell, RingMemory, fence, wait_for)
 from lamina.transport.stream import StreamDecoder
 from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError, WireLimits,
                                    decode_kind, decode_meta, encode, encode_meta)
@@ -219,7 +219,8 @@ class RingChannel(Channel):
                     spin = self._spin_ns if deadline is None else min(
                         self._spin_ns, max(0, int((deadline - time.monotonic()) * 1e9)))
                     got = fast.ring_recv(ring.ctl_addr, ring.data_addr, cap, self._rx_tail,
-                                         self._recv_limits, spin, 16 if self._forever else 0)
+                                         self._recv_limits, spin,
+                                         YIELD_EVERY if self._forever else 0)
                     status = got[0]
                     if status > _SLOW_PATH:  # a whole message: got[0] is the tail past it
                         msg = self._accept(got)

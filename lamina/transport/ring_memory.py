@@ -17,6 +17,7 @@ CTL_BYTES = 4096
 HEAD, TAIL, R_WAIT, W_WAIT, W_CLOSED, R_CLOSED, W_PID, R_PID, MAGIC, CAP = \
     0, 8, 16, 24, 32, 40, 48, 56, 64, 72
 RING_MAGIC = int.from_bytes(b"LMNARING", "little")
+YIELD_EVERY = 16  # a receiver spinning for good yields its core every this many rounds of 64 polls
 _FENCE_LOCK = threading.Lock()
 
 
@@ -101,7 +102,7 @@ def wait_for(ring: RingMemory, flag: int, bell: Bell, word: int, base: int, need
         if fast is not None:  # a C++ spin until the spin ends or the next check is due
             budget = min(spin_end, next_check) - now
             if fast.ring_wait(ring.ctl_addr, word, base, need, int(budget * 1e9),
-                              16 if forever else 0):
+                              YIELD_EVERY if forever else 0):
                 return True
         else:
             if ready():
