@@ -7,44 +7,106 @@ device-mapped host memory (``cudaHostAlloc(..., cudaHostAllocMapped)``):
 
 * :meth:`DeviceFlag.wait` enqueues, on a stream, a one-thread kernel that spins (with
   ``__nanosleep``) until the counter reaches a target, then returns: work enqueued after it on
-  that stream starts only then, while the calling CPU thread returns at once;
+  that stream starts only then, while the calling CPU thread returns at once. The wait is
+  bounded (``timeout_s``, read from the GPU's ``%globaltimer``): past it the kernel gives up,
+  marks :attr:`DeviceFlag.timed_out` and lets the stream go on, so a flag that never moves
+  cannot hang a GPU;
 * :meth:`DeviceFlag.set` (any CPU thread, e.g. the receiver that copied the attention result
   into device memory with a stream-ordered copy *before* the wait) publishes a new value with
   a release store.
 
 Contract: values only grow (one per step or layer); ``set`` must follow the writes the waiting
 work depends on (the flag is a release, the kernel's volatile load the acquire); the counter
-lives as long as the object. Capability: cupy, a CUDA device that can map host memory
-(:func:`unavailable` says what is missing; :class:`DeviceFlag` raises with that text; nothing
-falls back silently). Tested under ``pytest -m gpu`` only (tests/computenode/test_device_wait.py);
+lives as long as the object. Capability: cupy, a CUDA device that can map host memory, and a
+GPU that sees the host move the flag: :func:`unavailable` probes that once per device and
+process (one bounded wait, released by the host) and says what is missing; :class:`DeviceFlag`
+raises with the capability's text; nothing falls back silently. On the H200 lent to this
+project (driver under gVisor) the first version of the wait never returned: the probe turns
+such a machine into a clear refusal. Tested under ``pytest -m gpu`` only (tests/computenode/test_device_wait.py);
 used by :mod:`lamina.computenode.polling` (replicas pre-launching their next slice).
 """
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 from lamina.transport.ring_memory import fence
 
 _SOURCE = r"""
 extern "C" __global__ void lamina_wait_flag(const volatile unsigned long long* flag,
-                                            unsigned long long target) {
+                                            unsigned long long target,
+                                            unsigned long long timeout_ns,
+                                            volatile unsigned long long* timed_out) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     unsigned int backoff = 32;
     while (*flag < target) {
 #if __CUDA_ARCH__ >= 700
         __nanosleep(backoff);
         if (backoff < 1024) backoff <<= 1;
 #endif
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > timeout_ns) {
+            *timed_out = 1;
+            break;
+        }
     }
     __threadfence_system();
 }
 """
 _KERNEL = None
 _LOCK = threading.Lock()
+WAIT_TIMEOUT_S = 60.0  # a flag that has not moved in a minute: the peer is gone, free the stream
+PROBE_TIMEOUT_S = 2.0  # the probe's bounded wait (the host moves the flag after ~10 ms)
+_PROBED: dict[int, str | None] = {}
 
 
 def unavailable(device: int = 0) -> str | None:
-    """Why device-side polling cannot run here (``None``: it can)."""
+    """Why device-side polling cannot run here (``None``: it can): the capability checks, then
+    (once per device and process) :func:`probe`."""
+    why = _capability(device)
+    if why is None:
+        if device not in _PROBED:
+            _PROBED[device] = probe(device)
+        why = _PROBED[device]
+    return why
+
+
+def probe(device: int = 0) -> str | None:
+    """One bounded wait on a fresh flag, released by this thread 10 ms later: ``None`` if the
+    GPU saw the release, else why not. Waits on the CPU at most ``PROBE_TIMEOUT_S`` + 3 s."""
+    import torch
+
+    try:
+        flag = DeviceFlag(device)
+        stream = torch.cuda.Stream(device)
+        flag.wait(1, stream, timeout_s=PROBE_TIMEOUT_S)
+        done = torch.cuda.Event()
+        done.record(stream)
+        time.sleep(0.01)
+        flag.set(1)
+        released = time.monotonic()
+        deadline = released + PROBE_TIMEOUT_S + 3.0
+        while not done.query():
+            if time.monotonic() > deadline:
+                return (f"device-side polling: a flag wait on CUDA device {device} neither saw "
+                        f"the host's release nor timed out within {PROBE_TIMEOUT_S + 3.0:.0f} s")
+            time.sleep(0.001)
+        # by the mark, or by the clock where device writes to host memory are not seen either
+        missed = flag.timed_out or time.monotonic() - released > PROBE_TIMEOUT_S / 2
+        flag.close()
+    except Exception as e:  # noqa: BLE001 - compile, launch or driver errors: the same verdict
+        return f"device-side polling: the flag-wait probe failed on CUDA device {device}: {e}"
+    if missed:
+        return (f"device-side polling: CUDA device {device} did not see the host move a flag in "
+                f"host-mapped memory within {PROBE_TIMEOUT_S:.0f} s (a sandboxed GPU driver, "
+                "e.g. gVisor's, can cause this); run without device polling")
+    return None
+
+
+def _capability(device: int) -> str | None:
+    """cupy, the device, and host-memory mapping (no GPU work)."""
     try:
         import cupy
     except ImportError as e:
@@ -70,11 +132,20 @@ def _kernel():
         return _KERNEL
 
 
+def _device_pointer(rt, host: int) -> int:
+    """The device address of mapped host memory: ``cudaHostGetDevicePointer`` where cupy
+    binds it, else ``cudaPointerGetAttributes``'s ``devicePointer`` (cupy 14 binds only this)."""
+    get = getattr(rt, "hostGetDevicePointer", None)
+    if get is not None:
+        return int(get(host, 0))
+    return int(rt.pointerGetAttributes(host).devicePointer)
+
+
 class DeviceFlag:
     """One u64 counter in host-mapped memory that CUDA streams can wait on (module docstring)."""
 
     def __init__(self, device: int = 0) -> None:
-        why = unavailable(device)
+        why = _capability(device)
         if why is not None:
             raise RuntimeError(why)
         import cupy
@@ -82,11 +153,18 @@ class DeviceFlag:
         rt = cupy.cuda.runtime
         self.device = device
         with cupy.cuda.Device(device):
-            self._host = rt.hostAlloc(8, rt.hostAllocMapped)
-            self._dev = rt.hostGetDevicePointer(self._host, 0)
+            self._host = rt.hostAlloc(16, rt.hostAllocMapped)  # [counter, timed-out mark]
+            self._dev = _device_pointer(rt, self._host)
         self._word = ctypes.c_uint64.from_address(self._host)
+        self._missed = ctypes.c_uint64.from_address(self._host + 8)
         self._word.value = 0
+        self._missed.value = 0
         self._closed = False
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether a wait on this flag gave up (its stream went on without the release)."""
+        return bool(self._missed.value)
 
     @property
     def value(self) -> int:
@@ -99,15 +177,17 @@ class DeviceFlag:
         fence()  # what the waiting work reads is written before the flag moves
         self._word.value = value
 
-    def wait(self, target: int, stream=None) -> None:
+    def wait(self, target: int, stream=None, timeout_s: float = WAIT_TIMEOUT_S) -> None:
         """Enqueue on ``stream`` (a ``torch.cuda.Stream``; default torch's current one) a wait
-        until the counter is ``>= target``. Returns at once."""
+        until the counter is ``>= target``, at most ``timeout_s`` (then :attr:`timed_out`).
+        Returns at once."""
         import cupy
         import torch
 
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
         with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(s.cuda_stream):
-            _kernel()((1,), (1,), (cupy.uint64(self._dev), cupy.uint64(target)))
+            _kernel()((1,), (1,), (cupy.uint64(self._dev), cupy.uint64(target),
+                                   cupy.uint64(int(timeout_s * 1e9)), cupy.uint64(self._dev + 8)))
 
     def close(self) -> None:
         if not self._closed:

@@ -93,7 +93,11 @@ class Polling:
         with torch.cuda.stream(self.copy_stream):
             p.buffer.copy_(o, non_blocking=True)
         self.copy_stream.synchronize()  # the data is in place before the flag moves
-        self.flags[p.slot].set(p.target)
+        flag = self.flags[p.slot]
+        flag.set(p.target)
+        if flag.timed_out:  # the slice already ran on an unfilled buffer: never hand it on
+            raise RuntimeError(f"device-side polling: a wait on slot {p.slot} gave up before its "
+                               "attention output landed; the pre-launched slice is void")
         return p.outputs
 
     def release(self, p: Prelaunched) -> None:

@@ -2,7 +2,8 @@
 
 Contract: exactly :func:`lamina.kernels.reference.paged_attention_ref` — ``q[T,H,D]``,
 ``k_pool/v_pool[S,Hkv,D]``, CSR ``qo_indptr[R+1]``, ``kv_indptr[R+1]``, ``kv_indices[N]``,
-``q_positions[T]``, ``kv_start_pos[R]`` (int32 or int64, on q's device); returns ``o[T,H,D]`` in
+``q_positions[T]``, ``kv_start_pos[R]`` (int32 or int64, on q's device; the two indptrs may
+also be host tensors); returns ``o[T,H,D]`` in
 q's dtype and ``lse[T,H]`` float32 natural log, ``o = 0, lse = -inf`` for a query that sees no key.
 Inputs may be float32, bfloat16 or float16; scores, softmax and accumulation are float32.
 
@@ -22,6 +23,7 @@ runs under ``TRITON_INTERPRET=1`` on CPU tensors).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -145,37 +147,32 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, kv_indices_ptr, q_pos_ptr, work_ptr,
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
-    return (a + b - 1) // b
-
-
-def _plan(qo: torch.Tensor, kv: torch.Tensor, T: int, block_q: int, chunk: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Host-side work list for chunk size ``chunk`` (int64 CPU indptrs in).
+def _plan(qo: np.ndarray, kv: np.ndarray, T: int, block_q: int, chunk: int
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Host-side work list for chunk size ``chunk`` (int64 host indptrs in; numpy, because a
+    decode step plans once per layer and torch's per-op cost on small CPU tensors is ~10x).
 
     Returns ``work[3,W]`` (request, query block, kv chunk; ordered by request, block, chunk),
     per-token ``tok_wbase[T]`` (first work item of the token's block), ``tok_row0[T]``
     (its query index in the block, times GP later), ``tok_nchunks[T]``, and ``max chunks``.
     """
-    R = qo.numel() - 1
-    q_len, kv_len = qo.diff(), kv.diff()
+    R = len(qo) - 1
+    q_len, kv_len = np.diff(qo), np.diff(kv)
     active = (q_len > 0) & (kv_len > 0)
-    n_qb = torch.where(active, _ceil_div(q_len, block_q), 0)
-    n_ch = torch.where(active, _ceil_div(kv_len, chunk), 0)
+    n_qb = np.where(active, -(-q_len // block_q), 0)
+    n_ch = np.where(active, -(-kv_len // chunk), 0)
     items = n_qb * n_ch
-    w_start = torch.cumsum(items, 0) - items
-    reqs = torch.arange(R)
-    w_req = torch.repeat_interleave(reqs, items)
-    local = torch.arange(w_req.numel()) - w_start[w_req]
-    ch = n_ch[w_req].clamp(min=1)
-    work = torch.stack([w_req, local // ch, local % ch])
+    w_start = np.cumsum(items) - items
+    reqs = np.arange(R)
+    w_req = np.repeat(reqs, items)
+    local = np.arange(len(w_req)) - w_start[w_req]
+    ch = np.maximum(n_ch[w_req], 1)
+    work = np.stack([w_req, local // ch, local % ch])
 
-    tok_req = torch.repeat_interleave(reqs, q_len)
-    tq = torch.arange(tok_req.numel()) - qo[:-1][tok_req]
-    tok_wbase = torch.zeros(T, dtype=torch.int64)
-    tok_row0 = torch.zeros(T, dtype=torch.int64)
-    tok_nch = torch.zeros(T, dtype=torch.int64)
-    n = tok_req.numel()
+    tok_req = np.repeat(reqs, q_len)
+    tq = np.arange(len(tok_req)) - qo[:-1][tok_req]
+    tok_wbase, tok_row0, tok_nch = (np.zeros(T, dtype=np.int64) for _ in range(3))
+    n = len(tok_req)
     tok_wbase[:n] = w_start[tok_req] + (tq // block_q) * n_ch[tok_req]
     tok_row0[:n] = tq % block_q
     tok_nch[:n] = n_ch[tok_req]
@@ -193,7 +190,8 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     ``kv_chunk`` (tokens per split-KV program, default 256, may grow to bound scratch memory)
     and ``block_n`` (keys per inner step, a power of two >= 16) are tuning knobs; tests use small
     values under the interpreter to exercise splitting. Planning reads ``qo_indptr`` and
-    ``kv_indptr`` on the host (one device-to-host copy), so a call is not CUDA-graph capturable.
+    ``kv_indptr`` on the host: they may be host tensors (then a CUDA call never waits for the
+    device), else they are copied back (a wait). Not CUDA-graph capturable.
     """
     T, H, D = q.shape
     S, Hkv, Dk = k_pool.shape
@@ -210,10 +208,12 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     o = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    qo = qo_indptr.detach().to("cpu", torch.int64)
-    kv = kv_indptr.detach().to("cpu", torch.int64)
-    if T == 0 or qo.numel() < 2 or int(kv[-1]) == 0:
+    qo = qo_indptr.detach().to("cpu", torch.int64).numpy()
+    kv = kv_indptr.detach().to("cpu", torch.int64).numpy()
+    if T == 0 or len(qo) < 2 or int(kv[-1]) == 0:
         return o, lse
+    if int(kv[-1]) >= 2 ** 31:
+        raise ValueError(f"kv_indptr ends at {int(kv[-1])}: more than 2**31 - 1 keys in one call")
     if int(qo[-1]) > T:
         raise ValueError(f"qo_indptr ends at {int(qo[-1])} but q has {T} rows")
 
@@ -223,15 +223,15 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     G = spec.group_size
     GP = triton.next_power_of_2(G)
     block_d = max(16, triton.next_power_of_2(D))
-    max_q = int(qo.diff().max())
+    max_q = int(np.diff(qo).max())
     block_q = max(1, min(triton.next_power_of_2(max_q), 64 // GP))
     block_m = max(16, block_q * GP)
     block_q = block_m // GP
     block_n = block_n or (64 if block_d <= 128 else 32)
 
-    max_kv = int(kv.diff().max())
+    max_kv = int(np.diff(kv).max())
     chunk = max(kv_chunk or DEFAULT_KV_CHUNK, 1)
-    base_programs = int(_ceil_div(qo.diff(), block_q).sum()) * Hkv
+    base_programs = int((-(-np.diff(qo) // block_q)).sum()) * Hkv
     if base_programs >= NO_SPLIT_PROGRAMS:
         chunk = max(chunk, max_kv)
     while True:
@@ -245,11 +245,16 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return o, lse
     split = max_ch > 1
     dev = q.device
-    meta = torch.cat([work.reshape(-1), tok_wbase, tok_row0 * GP, tok_nch]).to(torch.int32)
-    meta = meta.to(dev)
-    work_d = meta[:3 * W]
-    index_args = (qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos)
-    qo_d, kv_d, kv_indices, q_positions, kv_start_pos = (t.to(dev).contiguous() for t in index_args)
+    # one host-to-device copy for the whole plan (and the indptrs), asynchronous from pinned
+    # memory on CUDA: with host indptrs in, a call never waits for the device
+    meta = torch.from_numpy(np.concatenate(
+        [work.reshape(-1), tok_wbase, tok_row0 * GP, tok_nch, qo, kv]).astype(np.int32))
+    if dev.type == "cuda":
+        meta = meta.pin_memory().to(dev, non_blocking=True)
+    work_d, tok = meta[:3 * W], meta[3 * W: 3 * W + 3 * T]
+    qo_d, kv_d = meta[3 * W + 3 * T: 3 * W + 3 * T + len(qo)], meta[3 * W + 3 * T + len(qo):]
+    kv_indices, q_positions, kv_start_pos = (t.to(dev).contiguous()
+                                             for t in (kv_indices, q_positions, kv_start_pos))
 
     if split:
         o_part = torch.empty((W * Hkv * block_m, D), dtype=torch.float32, device=dev)
@@ -268,7 +273,6 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=8 if block_d >= 128 else 4)  # 4 warps spill at D=128 (ptxas, sm_90)
     if split:
-        tok = meta[3 * W:]
         launch_merge(o_part, lse_part, o, lse, num_rows=T * H, num_parts=max_ch,
                      part_stride=Hkv * block_m, head_dim=D,
                      paged=(tok[:T], tok[T:2 * T], tok[2 * T:], H, G, Hkv, block_m))

@@ -201,3 +201,22 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
         if ids:
             break
     return ids
+
+
+def smollm2_shaped() -> torch.nn.Module:
+    """SmolLM2-135M-Instruct's architecture (LLaMA, 30 layers, hidden 576, GQA 9/3 heads of 64,
+    vocabulary 49152, tied embeddings) with random weights from a fixed seed: the same weights in
+    every process on every host with the same torch. For timing where the GGUF cannot be installed
+    (a GPU machine without a package index): speeds equal the real model's, the tokens are noise.
+    Load it as ``lamina.models:smollm2_shaped``."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_act="silu",
+        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+        bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config)

@@ -11,6 +11,13 @@
 #   4. bench/gpu_report.py               (one JSON + one markdown table of all of it)
 # Output: $OUT/gpu_check/ when $OUT is set (the device tool's folder), else
 # bench/results/gpu_check/. Exit status: 0 all steps ran, 1 a step failed, 2 no GPU.
+# Model: the builtin smollm2 where its GGUF is installed, else `lamina.models:smollm2_shaped`
+# (the same architecture, seeded random weights: same speed, noise tokens); environment.txt
+# says which. Knobs (environment), to fit a lease: GPU_CHECK_QUICK=1 (kernel --quick grid, e2e
+# at batch 8 with 8 steps: a smoke run), GPU_CHECK_STEP_S (each step's time limit, default
+# 600 s), GPU_CHECK_MODEL (the model), GPU_CHECK_TESTS (pytest paths, default tests),
+# GPU_CHECK_BATCHES (e2e batch sizes, default "1 8 32 64"), GPU_CHECK_STEPS (e2e timed steps),
+# GPU_CHECK_POLLING=0 (e2e without the device-polling setup, one model split less per run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR="${OUT:-bench/results}/gpu_check"
@@ -28,18 +35,42 @@ for m in ("triton", "cupy", "transformers", "yaml", "tqdm", "matplotlib"):
     except ImportError as e:
         print(f"{m}: MISSING ({e})")
 PY
+MODEL="${GPU_CHECK_MODEL:-}"
+if [ -z "$MODEL" ]; then
+    if python -c "from lamina.models import _alias_gguf; _alias_gguf('smollm2')" 2>/dev/null; then
+        MODEL=smollm2
+    else
+        MODEL=lamina.models:smollm2_shaped
+    fi
+fi
+echo "model: $MODEL" | tee -a "$DIR/environment.txt"
+if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
+    KQ=(--quick); EB=(--batches 8 --steps 8); echo "mode: quick (smoke run)" | tee -a "$DIR/environment.txt"
+else
+    KQ=(--reps 5); EB=(--batches ${GPU_CHECK_BATCHES:-1 8 32 64} ${GPU_CHECK_STEPS:+--steps "$GPU_CHECK_STEPS"})
+fi
+PYT=(-m gpu -q -p no:cacheprovider -rs)
+python -c "import xdist" 2>/dev/null && PYT+=(-n 8)            # Triton compiles in parallel
+python -c "import pytest_timeout" 2>/dev/null && PYT+=(--timeout 120)
+LIMIT="${GPU_CHECK_STEP_S:-600}"
 status=0
 step() {  # step NAME CMD...: run, keep its log, remember a failure, go on
     local name=$1; shift
     echo "== $name: $*"
-    "$@" 2>&1 | tee "$DIR/$name.log"
+    timeout -k 10 "$LIMIT" "$@" 2>&1 | tee "$DIR/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "$rc" > "$DIR/$name.rc"
     [ "$rc" -eq 0 ] || status=1
 }
-step pytest_gpu python -m pytest -m gpu -q -p no:cacheprovider tests
-step kernels python bench/kernels.py --device cuda --out "$DIR"
-step e2e_gpu_memory python bench/e2e.py --device cuda:0 --memory 1 --batches 1 8 32 64 --cuda-graphs --device-polling --out "$DIR/gpu_memory"
-step e2e_cpu_memory python bench/e2e.py --device cuda:0 --memory-device cpu --memory 1 --batches 1 8 32 64 --cuda-graphs --device-polling --out "$DIR/cpu_memory"
+step pytest_gpu python -m pytest "${PYT[@]}" ${GPU_CHECK_TESTS:-tests}
+POLL=(--device-polling)  # a broken flag kernel would hang the e2e runs: gpu tests must pass first
+if [ "${GPU_CHECK_POLLING:-1}" = 0 ]; then
+    POLL=(); echo "e2e without --device-polling: GPU_CHECK_POLLING=0" | tee -a "$DIR/environment.txt"
+elif [ "$(cat "$DIR/pytest_gpu.rc")" != 0 ]; then
+    POLL=(); echo "e2e without --device-polling: pytest -m gpu failed" | tee -a "$DIR/environment.txt"
+fi
+step kernels python bench/kernels.py --device cuda "${KQ[@]}" --out "$DIR"
+step e2e_gpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/gpu_memory"
+step e2e_cpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory-device cpu --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/cpu_memory"
 step report python bench/gpu_report.py "$DIR"
 exit $status

@@ -58,10 +58,24 @@ class ModelInfo:
         return self.split.specs
 
 
+_LAST_INFO: dict[tuple, ModelInfo] = {}  # the last model split in this process (one entry)
+
+
 def load_model_info(config: DeploymentConfig) -> ModelInfo:
-    """Load and split the model once, on the compute device."""
-    loaded = load_model(config.model.model, dtype=config.model.torch_dtype,
-                        device=parse(config.instance.device).torch)
+    """Load and split the model once, on the compute device. A process that starts several
+    instances of one model in a row (a benchmark's setups, a test module) splits it once: the
+    last split is kept, keyed by the model's name, dtype and device (slices are pure; replicas
+    keep their state outside them)."""
+    device = parse(config.instance.device).torch
+    key = (str(config.model.model), config.model.torch_dtype, str(device))
+    if key not in _LAST_INFO:
+        _LAST_INFO.clear()  # at most one model held beyond its instances' lives
+        _LAST_INFO[key] = _load_model_info(config.model.model, config.model.torch_dtype, device)
+    return _LAST_INFO[key]
+
+
+def _load_model_info(model: str, dtype: torch.dtype | None, device: torch.device) -> ModelInfo:
+    loaded = load_model(model, dtype=dtype, device=device)
     cfg = getattr(loaded.model, "config", None)
     return ModelInfo(split_model(loaded.model), loaded.dtype, loaded.tokenizer,
                      eos_token_ids(loaded.model, loaded.tokenizer),

@@ -40,3 +40,19 @@ def test_stream_waits_for_the_flag_and_the_cpu_does_not():
     with pytest.raises(ValueError):
         flag.set(0)
     flag.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(device_wait._capability(0) is not None, reason=str(device_wait._capability(0)))
+def test_a_wait_that_is_never_released_gives_up_and_frees_its_stream():
+    flag = device_wait.DeviceFlag(0)
+    stream = torch.cuda.Stream()
+    flag.wait(1, stream, timeout_s=0.05)  # nobody moves the flag
+    done = torch.cuda.Event()
+    done.record(stream)
+    for _ in range(5000):  # bounded on the CPU too: 5 s
+        if done.query():
+            break
+        time.sleep(0.001)
+    assert done.query() and flag.timed_out
+    flag.close()

@@ -7,8 +7,10 @@ import threading
 import time
 
 import pytest
-import uvicorn
-from fastapi.testclient import TestClient
+
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
 
 from lamina import LLM
 from lamina.server.async_engine import AsyncEngine

@@ -10,7 +10,9 @@ import time
 
 import httpx
 import pytest
-import uvicorn
+
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
 
 from lamina import LLM
 from lamina.server.async_engine import AsyncEngine
