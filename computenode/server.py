@@ -100,12 +100,12 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
     own_cores(cfg.cores, None if cfg.cores else cfg.num_threads)
     ctrl = connect(endpoint)
     try:
-        from lamina.models import load_model
-        from lamina.splitter import split_model
-        loaded = load_model(cfg.model, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
-                            device=cfg.device)
-        replica = ComputeReplica(split_model(loaded.model), cfg.device,
-                                 cuda_graph_tokens=cfg.cuda_graph_tokens)
+        from lamina.models import default_dtype, load_model
+        from lamina.split_cache import load_split
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(torch.device(cfg.device))
+        split = load_split(cfg.model, dtype, cfg.device,
+                           lambda: load_model(cfg.model, dtype=dtype, device=cfg.device).model)
+        replica = ComputeReplica(split, cfg.device, cuda_graph_tokens=cfg.cuda_graph_tokens)
     except Exception as e:  # report it to the engine, which is waiting for a PING reply
         error = e
     else:

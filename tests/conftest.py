@@ -1,3 +1,14 @@
 """Import lamina before anything loads torch, so the test processes get Lamina's OpenMP wait
-policy like a user's (lamina/omp.py)."""
-import lamina  # noqa: F401
+policy like a user's (lamina/omp.py); keep this session's model splits in a temporary folder."""
+import atexit
+import os
+import shutil
+import tempfile
+
+# splits cached for this session only (children inherit it): tests' models live in temporary
+# folders, so a shared cache would only grow
+if "LAMINA_SPLIT_CACHE" not in os.environ:
+    os.environ["LAMINA_SPLIT_CACHE"] = _dir = tempfile.mkdtemp(prefix="lamina-splits-")
+    atexit.register(shutil.rmtree, _dir, ignore_errors=True)
+
+import lamina  # noqa: E402,F401

@@ -32,7 +32,8 @@ from lamina.engine.worker import LocalWorker, ReplicaWorker
 from lamina.instance.launcher import Launcher
 from lamina.memnode import KVPool, MemoryNode
 from lamina.models import eos_token_ids, load_model
-from lamina.splitter import SplitModel, split_model
+from lamina.split_cache import load_split
+from lamina.splitter import SplitModel
 from lamina.timeline import Timeline
 from lamina.transport.node_client import InProcessNode, NodeClient
 from lamina.types import AttentionSpec
@@ -77,7 +78,8 @@ def load_model_info(config: DeploymentConfig) -> ModelInfo:
 def _load_model_info(model: str, dtype: torch.dtype | None, device: torch.device) -> ModelInfo:
     loaded = load_model(model, dtype=dtype, device=device)
     cfg = getattr(loaded.model, "config", None)
-    return ModelInfo(split_model(loaded.model), loaded.dtype, loaded.tokenizer,
+    split = load_split(model, loaded.dtype, device, lambda: loaded.model)
+    return ModelInfo(split, loaded.dtype, loaded.tokenizer,
                      eos_token_ids(loaded.model, loaded.tokenizer),
                      getattr(cfg, "vocab_size", None),
                      getattr(cfg, "max_position_embeddings", None))

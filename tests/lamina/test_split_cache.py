@@ -1,0 +1,81 @@
+"""lamina/split_cache.py: a split is stored once and read back by the next process; its key
+follows the model's files, dtype and device; the cache can be turned off; a broken entry is
+split again."""
+import os
+import sys
+
+import pytest
+import torch
+
+from lamina import split_cache
+from lamina.models import load_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
+from tiny_models import tiny_folder  # noqa: E402
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAMINA_SPLIT_CACHE", str(tmp_path / "splits"))
+    return tiny_folder("llama", tmp_path / "llama")
+
+
+def _split(name, calls):
+    def load():
+        calls.append(name)
+        return load_model(name).model
+    return split_cache.load_split(name, torch.float32, "cpu", load)
+
+
+def _logits(split):
+    ids = torch.tensor([5, 9, 2])
+    with torch.inference_mode():
+        return split.forward(ids, torch.arange(3), torch.arange(3),
+                             lambda k, q, key, v: torch.zeros_like(q))
+
+
+def test_second_process_reads_the_stored_split(model, tmp_path):
+    calls = []
+    first = _split(model, calls)
+    entries = list((tmp_path / "splits").iterdir())
+    assert len(entries) == 1 and (entries[0] / "program.pt2").is_file()
+    second = _split(model, calls)
+    assert calls == [model]  # the model was loaded and exported once
+    assert second is not first and torch.equal(_logits(first), _logits(second))
+
+
+def test_key_follows_files_dtype_and_device(model):
+    key = split_cache.split_key(model, torch.float32, "cpu")
+    assert key == split_cache.split_key(model, torch.float32, "cpu:0")  # CPU cores share it
+    assert key != split_cache.split_key(model, torch.bfloat16, "cpu")
+    assert key != split_cache.split_key(model, torch.float32, "cuda:0")
+    cfg = os.path.join(model, "config.json")
+    st = os.stat(cfg)
+    os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert key != split_cache.split_key(model, torch.float32, "cpu")
+    assert split_cache.split_key("/no/such/model", torch.float32, "cpu") is None
+
+
+def test_factory_is_keyed_by_its_module_file():
+    key = split_cache.split_key("lamina.models:smollm2_shaped", torch.float32, "cpu")
+    assert key is not None
+    assert split_cache.split_key("no_such_module_xyz:f", torch.float32, "cpu") is None
+
+
+def test_off_splits_every_time_and_stores_nothing(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAMINA_SPLIT_CACHE", "0")
+    calls = []
+    _split(model, calls)
+    _split(model, calls)
+    assert calls == [model, model] and not (tmp_path / "splits").exists()
+
+
+def test_unreadable_entry_is_split_again_and_replaced(model, tmp_path):
+    calls = []
+    _split(model, calls)
+    (entry,) = (tmp_path / "splits").iterdir()
+    (entry / "program.pt2").write_bytes(b"not a program")
+    again = _split(model, calls)
+    assert calls == [model, model]
+    assert (entry / "program.pt2").stat().st_size > 100  # stored afresh
+    assert _logits(again).shape[-1] > 0
