@@ -125,7 +125,7 @@ class ReplicaServer:
         self.ctrl = ctrl
         self.nodes: list = []
         self.next = None  # channel to replica index+1 (None: N == 1)
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: on the hot path
         self.mbs: dict[int, MicroBatch] = {}  # step id -> micro-batch (insertion = age)
         self.slots: dict[int, int] = {}  # micro-batch slot -> its current step id
         self.early: dict[int, list[tuple[Any, Message]]] = {}  # messages before their STEP

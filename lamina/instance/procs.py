@@ -128,7 +128,7 @@ class RemoteReplicas(WorkerClient):
         self.transport = transport
         self.peer_base = replica.peer_base
         self.sampler = Sampler()
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: on the hot path
         self.held: deque = deque()  # (replica, message) read by _request for wait()
         self.pending: dict[int, int] = {}  # step id -> slot
         self.max_in_flight = 0  # most micro-batches in flight at once so far
