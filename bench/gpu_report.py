@@ -43,7 +43,9 @@ def summarise(d: Path) -> dict:
                  if (d / "environment.txt").exists() else "unknown", "steps": {}}
     for s in STEPS:
         rc = (d / f"{s}.rc").read_text().strip() if (d / f"{s}.rc").exists() else "not run"
-        out["steps"][s] = {"rc": rc, "last_line": _last_line(d / f"{s}.log")}
+        secs = d / f"{s}.seconds"
+        out["steps"][s] = {"rc": rc, "last_line": _last_line(d / f"{s}.log"),
+                           "seconds": secs.read_text().strip() if secs.exists() else "?"}
     k = _read_json(d / "kernels_cuda.json")
     if k:
         tri = [r for r in k["rows"] if r.get("method") == "triton"]
@@ -79,9 +81,10 @@ def summarise(d: Path) -> dict:
 
 
 def markdown(s: dict) -> str:
-    lines = ["# GPU check", "", "```", s["environment"], "```", "", "| step | exit | last line |",
-             "|---|---|---|"]
-    lines += [f"| {k} | {v['rc']} | {v['last_line'][:120]} |" for k, v in s["steps"].items()]
+    lines = ["# GPU check", "", "```", s["environment"], "```", "", "| step | exit | seconds | last line |",
+             "|---|---|---|---|"]
+    lines += [f"| {k} | {v['rc']} | {v['seconds']} | {v['last_line'][:120]} |"
+              for k, v in s["steps"].items()]
     k = s.get("kernels")
     if k:
         lines += ["", "## Triton decode attention (bf16, 32/8/128)", "",

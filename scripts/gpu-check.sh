@@ -51,15 +51,19 @@ else
 fi
 PYT=(-m gpu -q -p no:cacheprovider -rs)
 python -c "import xdist" 2>/dev/null && PYT+=(-n 8)            # Triton compiles in parallel
-python -c "import pytest_timeout" 2>/dev/null && PYT+=(--timeout 120)
+# thread method: a test blocked inside a CUDA call (a wait that never returns) cannot take a
+# signal; the thread method dumps every stack and ends that worker, and the run goes on
+python -c "import pytest_timeout" 2>/dev/null && PYT+=(--timeout 120 --timeout-method thread)
 LIMIT="${GPU_CHECK_STEP_S:-600}"
 status=0
 step() {  # step NAME CMD...: run, keep its log, remember a failure, go on
     local name=$1; shift
     echo "== $name: $*"
+    local t0=$SECONDS
     timeout -k 10 "$LIMIT" "$@" 2>&1 | tee "$DIR/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "$rc" > "$DIR/$name.rc"
+    echo $((SECONDS - t0)) > "$DIR/$name.seconds"  # to size the next lease
     [ "$rc" -eq 0 ] || status=1
 }
 step pytest_gpu python -m pytest "${PYT[@]}" ${GPU_CHECK_TESTS:-tests}
