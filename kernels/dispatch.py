@@ -70,7 +70,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                     q_positions: torch.Tensor, kv_start_pos: torch.Tensor,
                     spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged attention; see :mod:`lamina.kernels.reference` for the contract."""
+    """Paged attention; see :mod:`lamina.kernels.reference` for the contract. ``qo_indptr``
+    and ``kv_indptr`` may also be host tensors: Triton then plans without waiting for the
+    device (and reuses the plan across a step's layers); other backends copy them over."""
     backend = backend_for(q.device)
     if backend == "triton":
         from lamina.kernels.triton_attention import paged_attention_triton
@@ -83,6 +85,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         fn = paged_attention_batched
     else:
         fn = paged_attention_ref
+    if backend != "triton":  # host indptrs (the memory node's) are for Triton's planning
+        qo_indptr, kv_indptr = qo_indptr.to(q.device), kv_indptr.to(q.device)
     return fn(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec)
 
 

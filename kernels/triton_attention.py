@@ -23,11 +23,14 @@ runs under ``TRITON_INTERPRET=1`` on CPU tensors).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels import plan_cache
 from lamina.kernels.triton_merge import launch_merge
 from lamina.types import AttentionSpec
 
@@ -179,6 +182,63 @@ def _plan(qo: np.ndarray, kv: np.ndarray, T: int, block_q: int, chunk: int
     return work, tok_wbase, tok_row0, tok_nch, int(n_ch.max()) if R else 0
 
 
+@dataclass
+class _LaunchPlan:
+    """What a call derives from the indptrs alone: block sizes, the KV chunk, the work list
+    and per-token merge indices in ``meta`` (int32 on the device: work[3W], tok_wbase[T],
+    tok_row0*GP[T], tok_nchunks[T], qo_indptr[R+1], kv_indptr[R+1])."""
+
+    R: int
+    W: int
+    max_ch: int
+    chunk: int
+    GP: int
+    block_q: int
+    block_m: int
+    block_n: int
+    meta: torch.Tensor
+
+
+def _launch_plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, T: int, Hkv: int, G: int,
+                 D: int, kv_chunk: int | None, block_n: int | None,
+                 dev: torch.device) -> _LaunchPlan:
+    qo = qo_indptr.detach().to("cpu", torch.int64).numpy()
+    kv = kv_indptr.detach().to("cpu", torch.int64).numpy()
+    R = len(qo) - 1
+    GP = triton.next_power_of_2(G)
+    block_d = max(16, triton.next_power_of_2(D))
+    block_n = block_n or (64 if block_d <= 128 else 32)
+    if T == 0 or R < 1 or int(kv[-1]) == 0:
+        return _LaunchPlan(max(R, 0), 0, 0, 0, GP, 1, 16, block_n, torch.empty(0))
+    if int(kv[-1]) >= 2 ** 31:
+        raise ValueError(f"kv_indptr ends at {int(kv[-1])}: more than 2**31 - 1 keys in one call")
+    if int(qo[-1]) > T:
+        raise ValueError(f"qo_indptr ends at {int(qo[-1])} but q has {T} rows")
+    max_q = int(np.diff(qo).max())
+    block_q = max(1, min(triton.next_power_of_2(max_q), 64 // GP))
+    block_m = max(16, block_q * GP)
+    block_q = block_m // GP
+
+    max_kv = int(np.diff(kv).max())
+    chunk = max(kv_chunk or DEFAULT_KV_CHUNK, 1)
+    base_programs = int((-(-np.diff(qo) // block_q)).sum()) * Hkv
+    if base_programs >= NO_SPLIT_PROGRAMS:
+        chunk = max(chunk, max_kv)
+    while True:
+        work, tok_wbase, tok_row0, tok_nch, max_ch = _plan(qo, kv, T, block_q, chunk)
+        scratch = work.shape[1] * Hkv * block_m * (D + 1) * 4
+        if max_ch <= 1 or scratch <= PARTIAL_BUDGET_BYTES:
+            break
+        chunk *= 2
+    # one host-to-device copy for the whole plan (and the indptrs), asynchronous from pinned
+    # memory on CUDA: with host indptrs in, a call never waits for the device
+    meta = torch.from_numpy(np.concatenate(
+        [work.reshape(-1), tok_wbase, tok_row0 * GP, tok_nch, qo, kv]).astype(np.int32))
+    if dev.type == "cuda":
+        meta = meta.pin_memory().to(dev, non_blocking=True)
+    return _LaunchPlan(R, work.shape[1], max_ch, chunk, GP, block_q, block_m, block_n, meta)
+
+
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, q_positions: torch.Tensor,
@@ -208,54 +268,27 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     o = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    qo = qo_indptr.detach().to("cpu", torch.int64).numpy()
-    kv = kv_indptr.detach().to("cpu", torch.int64).numpy()
-    if T == 0 or len(qo) < 2 or int(kv[-1]) == 0:
+    host = qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu"
+    G = spec.group_size
+    key = ("triton", T, Hkv, G, D, kv_chunk, block_n, str(q.device))
+    lp = plan_cache.lookup(key, (qo_indptr, kv_indptr)) if host else None
+    if lp is None:
+        lp = _launch_plan(qo_indptr, kv_indptr, T, Hkv, G, D, kv_chunk, block_n, q.device)
+        if host:  # a step's layers share their indptrs: plan once per step
+            plan_cache.store(key, (qo_indptr, kv_indptr), lp, lp.meta.numel() * 4)
+    if lp.W == 0:
         return o, lse
-    if int(kv[-1]) >= 2 ** 31:
-        raise ValueError(f"kv_indptr ends at {int(kv[-1])}: more than 2**31 - 1 keys in one call")
-    if int(qo[-1]) > T:
-        raise ValueError(f"qo_indptr ends at {int(qo[-1])} but q has {T} rows")
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
     v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
-    G = spec.group_size
-    GP = triton.next_power_of_2(G)
-    block_d = max(16, triton.next_power_of_2(D))
-    max_q = int(np.diff(qo).max())
-    block_q = max(1, min(triton.next_power_of_2(max_q), 64 // GP))
-    block_m = max(16, block_q * GP)
-    block_q = block_m // GP
-    block_n = block_n or (64 if block_d <= 128 else 32)
-
-    max_kv = int(np.diff(kv).max())
-    chunk = max(kv_chunk or DEFAULT_KV_CHUNK, 1)
-    base_programs = int((-(-np.diff(qo) // block_q)).sum()) * Hkv
-    if base_programs >= NO_SPLIT_PROGRAMS:
-        chunk = max(chunk, max_kv)
-    while True:
-        work, tok_wbase, tok_row0, tok_nch, max_ch = _plan(qo, kv, T, block_q, chunk)
-        scratch = work.shape[1] * Hkv * block_m * (D + 1) * 4
-        if max_ch <= 1 or scratch <= PARTIAL_BUDGET_BYTES:
-            break
-        chunk *= 2
-    W = work.shape[1]
-    if W == 0:
-        return o, lse
-    split = max_ch > 1
-    dev = q.device
-    # one host-to-device copy for the whole plan (and the indptrs), asynchronous from pinned
-    # memory on CUDA: with host indptrs in, a call never waits for the device
-    meta = torch.from_numpy(np.concatenate(
-        [work.reshape(-1), tok_wbase, tok_row0 * GP, tok_nch, qo, kv]).astype(np.int32))
-    if dev.type == "cuda":
-        meta = meta.pin_memory().to(dev, non_blocking=True)
+    W, split, dev, meta = lp.W, lp.max_ch > 1, q.device, lp.meta
     work_d, tok = meta[:3 * W], meta[3 * W: 3 * W + 3 * T]
-    qo_d, kv_d = meta[3 * W + 3 * T: 3 * W + 3 * T + len(qo)], meta[3 * W + 3 * T + len(qo):]
+    qo_d, kv_d = meta[3 * W + 3 * T: 3 * W + 3 * T + lp.R + 1], meta[3 * W + 3 * T + lp.R + 1:]
     kv_indices, q_positions, kv_start_pos = (t.to(dev).contiguous()
                                              for t in (kv_indices, q_positions, kv_start_pos))
 
+    GP, block_m, block_d = lp.GP, lp.block_m, max(16, triton.next_power_of_2(D))
     if split:
         o_part = torch.empty((W * Hkv * block_m, D), dtype=torch.float32, device=dev)
         lse_part = torch.empty((W * Hkv * block_m,), dtype=torch.float32, device=dev)
@@ -266,14 +299,14 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         o_part, lse_part,
         W, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1),
-        float(spec.scale), float(spec.softcap or 1.0), int(spec.window or 0), chunk,
-        H=H, NUM_KV_HEADS=Hkv, G=G, GP=GP, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        float(spec.scale), float(spec.softcap or 1.0), int(spec.window or 0), lp.chunk,
+        H=H, NUM_KV_HEADS=Hkv, G=G, GP=GP, BLOCK_Q=lp.block_q, BLOCK_M=block_m, BLOCK_N=lp.block_n,
         D=D, BLOCK_D=block_d, HAS_WINDOW=spec.window is not None,
         HAS_SOFTCAP=bool(spec.softcap), SPLIT=split,
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=8 if block_d >= 128 else 4)  # 4 warps spill at D=128 (ptxas, sm_90)
     if split:
-        launch_merge(o_part, lse_part, o, lse, num_rows=T * H, num_parts=max_ch,
+        launch_merge(o_part, lse_part, o, lse, num_rows=T * H, num_parts=lp.max_ch,
                      part_stride=Hkv * block_m, head_dim=D,
                      paged=(tok[:T], tok[T:2 * T], tok[2 * T:], H, G, Hkv, block_m))
     return o, lse

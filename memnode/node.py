@@ -189,9 +189,10 @@ class MemoryNode:
                              f"k{tuple(msg.k.shape)}, v{tuple(msg.v.shape)}")
         self.pool.store_kv(li, view.append_slots, msg.k, msg.v)
         idx = view.kv[spec.window]
+        # host indptrs: a GPU pool's Triton kernel plans once per step, never waiting for the GPU
         o, lse = paged_attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
-                                 view.qo_indptr, idx.kv_indptr, idx.kv_indices, view.q_positions,
-                                 idx.kv_start_pos, spec)
+                                 torch.from_numpy(view.q_host), torch.from_numpy(idx.indptr),
+                                 idx.kv_indices, view.q_positions, idx.kv_start_pos, spec)
         if b < R:
             step.next_work[li] = b
         else:

@@ -52,6 +52,7 @@ class StepView:
     q_positions: torch.Tensor  # int64 [Tq']
     append_slots: torch.Tensor  # int64 [Ta']
     kv: dict[int | None, KernelIndex]
+    q_host: np.ndarray  # host copy of qo_indptr
 
     @property
     def num_q(self) -> int:
@@ -82,11 +83,13 @@ class StepState:
     def view(self, a: int, b: int) -> StepView:
         """Kernel inputs for works ``[a, b)``; ``0 <= a < b <= R`` (or the whole step)."""
         if (a, b) == (0, len(self.works)):
-            return StepView(self.qo_indptr, self.q_positions, self.append_slots, self.kv)
+            return StepView(self.qo_indptr, self.q_positions, self.append_slots, self.kv,
+                            self.q_indptr)
         qa, qb = int(self.q_indptr[a]), int(self.q_indptr[b])
         aa, ab = int(self.a_indptr[a]), int(self.a_indptr[b])
         return StepView(self.qo_indptr[a: b + 1] - qa, self.q_positions[qa:qb],
-                        self.append_slots[aa:ab], {w: i.view(a, b) for w, i in self.kv.items()})
+                        self.append_slots[aa:ab], {w: i.view(a, b) for w, i in self.kv.items()},
+                        self.q_indptr[a: b + 1] - qa)
 
 
 def _piece(old: np.ndarray, new: np.ndarray, a: int, b: int) -> list[np.ndarray]:

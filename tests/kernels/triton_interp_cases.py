@@ -105,3 +105,27 @@ def test_triton_merge_states(dtype):
     torch.testing.assert_close(o.double(), exp_o, atol=tol, rtol=tol)
     ref = merge_states_ref(os_, lses)
     torch.testing.assert_close(o.float(), ref[0].float(), atol=tol, rtol=tol)
+
+
+def test_triton_plan_is_reused_across_layers_and_never_stale():
+    """Host indptrs: the launch plan is stored once and reused by the next call with equal
+    indptrs (another layer: new q and pools), and a changed kv_indptr plans afresh."""
+    from lamina.kernels import plan_cache
+    plan_cache.clear()
+    case = random_case(71, num_heads=6, num_kv_heads=2, head_dim=16, num_requests=(3, 4),
+                       max_ctx=90, max_q=3)
+    args = list(case.args())
+    o1, lse1 = paged_attention_triton(*args, kv_chunk=16, block_n=16)
+    assert_matches(o1, lse1, *paged_attention_ref(*args), torch.float32)
+    assert len(plan_cache._entries()) == 1
+    torch.manual_seed(5)  # the next layer: same indptrs and slots, other values
+    args[0:3] = [torch.randn_like(t) for t in args[0:3]]
+    o2, lse2 = paged_attention_triton(*args, kv_chunk=16, block_n=16)
+    assert_matches(o2, lse2, *paged_attention_ref(*args), torch.float32)
+    assert len(plan_cache._entries()) == 1  # reused, not stored again
+    other = random_case(73, num_heads=6, num_kv_heads=2, head_dim=16, num_requests=(3, 4),
+                        max_ctx=90, max_q=3)
+    assert not torch.equal(other.kv_indptr, case.kv_indptr)
+    o3, lse3 = paged_attention_triton(*other.args(), kv_chunk=16, block_n=16)
+    assert_matches(o3, lse3, *paged_attention_ref(*other.args()), torch.float32)
+    assert len(plan_cache._entries()) == 2
