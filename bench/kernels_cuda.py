@@ -4,8 +4,9 @@ vs SDPA on a contiguous copy (no paging) vs ``torch_batched``, at 32 q / 8 kv he
 plain copy of the KV's size timed in the same rounds. ``mbu``: KV bytes/s over the device's
 spec bandwidth (:func:`device_peak_bw`), the target of issue 22 (>= 85 % on H100). Each round
 times ``BACK_TO_BACK`` calls with one synchronisation at the end (consecutive layers of a decode
-step); Triton gets host indptrs, as a memory node plans on the host, so its host work overlaps
-the previous call's kernels and small cells measure the per-call host cost.
+step); Triton gets host indptrs, as a memory node's calls do, so it plans once (the first
+warm-up call) and every later call reuses the plan, as a step's later layers do; its host work
+overlaps the previous call's kernels and small cells measure the per-call host cost.
 """
 from __future__ import annotations
 
