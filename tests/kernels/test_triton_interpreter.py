@@ -17,8 +17,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-@pytest.mark.slow
-def test_triton_kernels_under_interpreter():
+def test_triton_kernels_under_interpreter():  # ~30 s: in the fast set, so CI covers the kernels
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", LAMINA_KERNELS="triton",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
