@@ -139,9 +139,30 @@ def _load_factory(spec: str) -> torch.nn.Module:
     return model
 
 
+class _quiet_loading:
+    """transformers' "Loading weights" progress bar off while a model loads (a user's terminal
+    gets Lamina's output only); its previous state is restored."""
+
+    def __enter__(self) -> None:
+        from transformers.utils import logging as hf_logging
+        self._was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc: object) -> None:
+        from transformers.utils import logging as hf_logging
+        if self._was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(name: str | os.PathLike, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu") -> LoadedModel:
     """Load ``name``: a builtin alias, an HF folder, a ``.gguf`` file, or ``pkg.module:function``."""
+    with _quiet_loading():
+        return _load_model(name, dtype, device)
+
+
+def _load_model(name: str | os.PathLike, dtype: torch.dtype | None,
+                device: torch.device | str) -> LoadedModel:
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     s = str(name)

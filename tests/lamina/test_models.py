@@ -60,3 +60,17 @@ def test_unknown_alias_or_factory():
 def test_factory():
     loaded = load_model("torch.nn:Identity")
     assert isinstance(loaded.model, torch.nn.Identity) and not loaded.is_hf
+
+
+def test_loading_prints_no_progress_bar(tmp_path, capfd):
+    """transformers' "Loading weights" bar stays off a user's terminal, and is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    capfd.readouterr()
+    load_model(str(tmp_path))
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in out + err
+    assert hf_logging.is_progress_bar_enabled()
