@@ -81,8 +81,8 @@ def summarise(d: Path) -> dict:
 
 
 def markdown(s: dict) -> str:
-    lines = ["# GPU check", "", "```", s["environment"], "```", "", "| step | exit | seconds | last line |",
-             "|---|---|---|---|"]
+    lines = ["# GPU check", "", "```", s["environment"], "```", "",
+             "| step | exit | seconds | last line |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['rc']} | {v['seconds']} | {v['last_line'][:120]} |"
               for k, v in s["steps"].items()]
     k = s.get("kernels")

@@ -62,7 +62,8 @@ def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
         vp = torch.randn(S, kv_heads, head_dim, device="cuda", dtype=dtype)
         idx = torch.randperm(S).cuda().int()
         q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
-        qo, kv = torch.arange(batch + 1, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32) * ctx
+        qo = torch.arange(batch + 1, dtype=torch.int32)
+        kv = qo * ctx
         tail = (idx, torch.full((batch,), ctx - 1, dtype=torch.int32, device="cuda"),
                 torch.zeros(batch, dtype=torch.int32, device="cuda"), spec)
         args = (q, kp, vp, qo.cuda(), kv.cuda(), *tail)

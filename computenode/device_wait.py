@@ -22,8 +22,8 @@ GPU that sees the host move the flag: :func:`unavailable` probes that once per d
 process (one bounded wait, released by the host) and says what is missing; :class:`DeviceFlag`
 raises with the capability's text; nothing falls back silently. On the H200 lent to this
 project (driver under gVisor) the first version of the wait never returned: the probe turns
-such a machine into a clear refusal. Tested under ``pytest -m gpu`` only (tests/computenode/test_device_wait.py);
-used by :mod:`lamina.computenode.polling` (replicas pre-launching their next slice).
+such a machine into a clear refusal. Tested under ``pytest -m gpu`` only
+(tests/computenode/test_device_wait.py); used by :mod:`lamina.computenode.polling` (replicas pre-launching their next slice).
 """
 from __future__ import annotations
 

@@ -8,13 +8,14 @@ Every failure to find or read a model raises :class:`ModelLoadError` naming the 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -139,19 +140,39 @@ def _load_factory(spec: str) -> torch.nn.Module:
     return model
 
 
-class _quiet_loading:
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
     """transformers' "Loading weights" progress bar off while a model loads (a user's terminal
     gets Lamina's output only); its previous state is restored."""
+    from transformers.utils import logging as hf_logging
 
-    def __enter__(self) -> None:
-        from transformers.utils import logging as hf_logging
-        self._was = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-
-    def __exit__(self, *exc: object) -> None:
-        from transformers.utils import logging as hf_logging
-        if self._was:
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
             hf_logging.enable_progress_bar()
+
+
+def model_files(name: str) -> list[Path] | None:
+    """The files that define model ``name`` (an alias's GGUF, a folder's files, a ``.gguf``
+    file, a factory's module source), None when they cannot be named. Nothing is loaded."""
+    if name in BUILTIN_ALIASES:
+        try:
+            return [_alias_gguf(name)]
+        except ModelLoadError:  # not installed: load_model says so itself
+            return None
+    path = Path(name).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file())
+    try:
+        spec = importlib.util.find_spec(name.partition(":")[0])
+    except (ImportError, ValueError):
+        return None
+    return [Path(spec.origin)] if spec is not None and spec.origin else None
 
 
 def load_model(name: str | os.PathLike, dtype: torch.dtype | None = None,

@@ -10,14 +10,13 @@ The key pins everything the split depends on: the model's files (path, size and 
 time of each; for a builtin alias its GGUF; for a ``package.module:function`` factory the
 module's source file), dtype, device, and the versions of torch, transformers and Lamina's
 splitter source. A model whose files cannot be named (a factory without a source file) is not
-cached. ``LAMINA_SPLIT_CACHE=0`` turns the cache off, a path moves it; a folder that cannot be read is split
-again (and replaced). Nothing here is pickled on the data plane: the folder is torch.export's
+cached. ``LAMINA_SPLIT_CACHE=0`` turns the cache off, a path moves it; a folder that cannot be
+read is split again (and replaced). Nothing here is pickled on the data plane: the folder is torch.export's
 format plus a JSON file, read only by this host's own processes.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -27,11 +26,12 @@ from typing import Callable
 
 import torch
 
-from lamina.models import BUILTIN_ALIASES, _alias_gguf, cache_dir
+from lamina.models import cache_dir, model_files
+from lamina import splitter
 from lamina.splitter import SplitModel, split_model
 from lamina.splitter.errors import SplitError
 
-_SPLITTER = Path(__file__).resolve().parents[1] / "splitter"
+_SPLITTER = Path(splitter.__file__).resolve().parent  # its source is part of the key
 
 
 def split_dir() -> Path | None:
@@ -43,29 +43,9 @@ def split_dir() -> Path | None:
     return Path(v).expanduser() if v else cache_dir() / "splits"
 
 
-def _files(name: str) -> list[Path] | None:
-    """The files that define model ``name`` (None: cannot be named)."""
-    if name in BUILTIN_ALIASES:
-        try:
-            return [_alias_gguf(name)]
-        except Exception:  # noqa: BLE001 - not installed: load_model says so itself
-            return None
-    path = Path(name).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return sorted(p for p in path.iterdir() if p.is_file())
-    mod = name.partition(":")[0]
-    try:
-        spec = importlib.util.find_spec(mod)
-    except (ImportError, ValueError):
-        return None
-    return [Path(spec.origin)] if spec is not None and spec.origin else None
-
-
 def split_key(name: str, dtype: torch.dtype, device: torch.device | str) -> str | None:
     """A digest of what the split of ``name`` depends on; None when it cannot be pinned."""
-    files = _files(str(name))
+    files = model_files(str(name))
     if not files:
         return None
     import transformers

@@ -190,9 +190,10 @@ class MemoryNode:
         self.pool.store_kv(li, view.append_slots, msg.k, msg.v)
         idx = view.kv[spec.window]
         # host indptrs: a GPU pool's Triton kernel plans once per step, never waiting for the GPU
+        qo_indptr, kv_indptr = torch.from_numpy(view.qo_indptr), torch.from_numpy(idx.kv_indptr)
         o, lse = paged_attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
-                                 torch.from_numpy(view.q_host), torch.from_numpy(idx.indptr),
-                                 idx.kv_indices, view.q_positions, idx.kv_start_pos, spec)
+                                 qo_indptr, kv_indptr, idx.kv_indices, view.q_positions,
+                                 idx.kv_start_pos, spec)
         if b < R:
             step.next_work[li] = b
         else:

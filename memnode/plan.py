@@ -10,11 +10,13 @@ queries are positions ``[qs_r, qe_r)``. The kernel sees (DESIGN.md §4, CSR form
   can see, i.e. positions ``[max(ks, qs - w + 1), min(ke, qe))`` (no lower bound without a
   window). Trimming keys no query can see is exact: the kernel masks them anyway.
 
-All tensors are int64 on the pool's device, built once per step (numpy, no per-slot loops).
+The two index pointers stay on the host (numpy; the kernels take them as host tensors, and
+Triton plans from them without waiting for the GPU); every other array is int64 on the pool's
+device. All are built once per step (numpy, no per-slot loops).
 
 An ATTEND may carry a *mini-batch*: works ``[a, b)`` of the step (communication-attention
-overlap, Lamina §5.2.1). :meth:`StepState.view` slices the CSR arrays to those works using host
-copies of the index pointers (no device sync).
+overlap, Lamina §5.2.1). :meth:`StepState.view` slices the CSR arrays to those works using the
+host index pointers (no device sync).
 """
 from __future__ import annotations
 
@@ -33,26 +35,24 @@ __all__ = ["KernelIndex", "StepState", "StepView", "build_step"]
 class KernelIndex:
     """Key side of the CSR arrays for the layers sharing one window."""
 
-    kv_indptr: torch.Tensor  # int64 [R+1]
+    kv_indptr: np.ndarray  # int64 [R+1], on the host
     kv_indices: torch.Tensor  # int64 [N]
     kv_start_pos: torch.Tensor  # int64 [R]
-    indptr: np.ndarray  # host copy of kv_indptr
 
     def view(self, a: int, b: int) -> "KernelIndex":
-        ka, kb = int(self.indptr[a]), int(self.indptr[b])
+        ka, kb = int(self.kv_indptr[a]), int(self.kv_indptr[b])
         return KernelIndex(self.kv_indptr[a: b + 1] - ka, self.kv_indices[ka:kb],
-                           self.kv_start_pos[a:b], self.indptr[a: b + 1] - ka)
+                           self.kv_start_pos[a:b])
 
 
 @dataclass
 class StepView:
     """The kernel inputs for works ``[a, b)`` of a step (all of them by default)."""
 
-    qo_indptr: torch.Tensor  # int64 [b-a+1]
+    qo_indptr: np.ndarray  # int64 [b-a+1], on the host
     q_positions: torch.Tensor  # int64 [Tq']
     append_slots: torch.Tensor  # int64 [Ta']
     kv: dict[int | None, KernelIndex]
-    q_host: np.ndarray  # host copy of qo_indptr
 
     @property
     def num_q(self) -> int:
@@ -70,12 +70,11 @@ class StepState:
     step_id: int
     works: list[ShardWork]
     shards: list[Shard]  # the shard of each work, same order (after the appends)
-    qo_indptr: torch.Tensor  # int64 [R+1]
     q_positions: torch.Tensor  # int64 [Tq]
     append_slots: torch.Tensor  # int64 [Ta]: slots of the appended rows of ATTEND's k/v
     kv: dict[int | None, KernelIndex]  # window -> key indices
     layers_left: set[int]  # pool layers not attended yet
-    q_indptr: np.ndarray  # host copies: cumulative num_q and num_append per work, [R+1]
+    q_indptr: np.ndarray  # host: cumulative num_q and num_append per work, [R+1]
     a_indptr: np.ndarray
     next_work: dict[int, int] = field(default_factory=dict)  # layer -> first work not attended
     deferred_free: list[np.ndarray] = field(default_factory=list)  # slots freed while in flight
@@ -83,13 +82,11 @@ class StepState:
     def view(self, a: int, b: int) -> StepView:
         """Kernel inputs for works ``[a, b)``; ``0 <= a < b <= R`` (or the whole step)."""
         if (a, b) == (0, len(self.works)):
-            return StepView(self.qo_indptr, self.q_positions, self.append_slots, self.kv,
-                            self.q_indptr)
+            return StepView(self.q_indptr, self.q_positions, self.append_slots, self.kv)
         qa, qb = int(self.q_indptr[a]), int(self.q_indptr[b])
         aa, ab = int(self.a_indptr[a]), int(self.a_indptr[b])
-        return StepView(self.qo_indptr[a: b + 1] - qa, self.q_positions[qa:qb],
-                        self.append_slots[aa:ab], {w: i.view(a, b) for w, i in self.kv.items()},
-                        self.q_indptr[a: b + 1] - qa)
+        return StepView(self.q_indptr[a: b + 1] - qa, self.q_positions[qa:qb],
+                        self.append_slots[aa:ab], {w: i.view(a, b) for w, i in self.kv.items()})
 
 
 def _piece(old: np.ndarray, new: np.ndarray, a: int, b: int) -> list[np.ndarray]:
@@ -145,10 +142,10 @@ def build_step(step_id: int, works: list[ShardWork], shards: list[Shard | None],
         kv_indptr = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(count, out=kv_indptr[1:])
         indices = np.concatenate(pieces) if pieces else empty
-        kv[w] = KernelIndex(to_dev(kv_indptr), to_dev(indices), to_dev(lo), kv_indptr)
+        kv[w] = KernelIndex(kv_indptr, to_dev(indices), to_dev(lo))
     append = np.concatenate(new_slots) if new_slots else empty
     a_indptr = np.zeros(R + 1, dtype=np.int64)
     np.cumsum([n.size for n in new_slots], out=a_indptr[1:])
-    return StepState(step_id=step_id, works=list(works), shards=[], qo_indptr=to_dev(qo_indptr),
+    return StepState(step_id=step_id, works=list(works), shards=[],
                      q_positions=to_dev(q_positions), append_slots=to_dev(append), kv=kv,
                      layers_left=set(range(num_layers)), q_indptr=qo_indptr, a_indptr=a_indptr)
