@@ -41,7 +41,8 @@ from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, Wir
                                    decode_kind, decode_meta, encode, encode_meta)
 
 _KINDS = frozenset(int(k) for k in MsgKind)
-_EMPTY, _SLOW_PATH = 0, 2  # ring_recv's statuses: nothing there / leave it to the decoder
+_EMPTY = 0  # Reader.recv: nothing there (2: leave it to the decoder; else a message)
+_INELIGIBLE = -2  # Writer.send: leave it to the Python encoder (-1: no room now; 0/1: sent)
 
 
 class RingChannel(Channel):
@@ -63,12 +64,20 @@ class RingChannel(Channel):
         self._spin_s = spin_us * 1e-6
         self._wake = wake_interval
         self._forever = spin_us == float("inf")  # a receiver that owns its core: never sleeps
+        self._yield_every = YIELD_EVERY if self._forever else 0  # per fast receive call
         self._spin_ns = int(min(self._spin_s, wake_interval) * 1e9)  # per fast receive call
-        self._tx_head = int(tx.ctl[HEAD])
-        self._rx_tail = int(rx.ctl[TAIL])
         self._dec = StreamDecoder(limits)
         self._fast = fast
-        self._recv_limits = limits.as_tuple()  # the decoder's, fixed (as for the slow path)
+        # the fast path's ring ends hold this end's counts (HEAD of tx, TAIL of rx); the Python
+        # path reads and moves them through _tx_head / _rx_tail
+        self._writer = self._reader = None
+        self._counts = [int(tx.ctl[HEAD]), int(rx.ctl[TAIL])]
+        if fast is not None:
+            self._writer = fast.Writer(tx.ctl_addr, tx.data_addr, tx.capacity, self._counts[0],
+                                       self._send_limits)
+            self._reader = fast.Reader(rx.ctl_addr, rx.data_addr, rx.capacity, self._counts[1],
+                                       limits.as_tuple(),  # the decoder's limits, fixed
+                                       {int(k): k for k in MsgKind}, Message)
         self._tx_lock = threading.Lock()
         self._rx_lock = threading.Lock()
         self._close_lock = threading.Lock()
@@ -101,6 +110,32 @@ class RingChannel(Channel):
     def limits(self, value: WireLimits) -> None:
         self._limits = value
         self._send_limits = value.as_tuple()
+        if getattr(self, "_writer", None) is not None:
+            self._writer.set_limits(self._send_limits)
+
+    @property
+    def _tx_head(self) -> int:
+        """Bytes written to ``tx`` since creation (this end owns the count)."""
+        return self._writer.head if self._writer is not None else self._counts[0]
+
+    @_tx_head.setter
+    def _tx_head(self, value: int) -> None:
+        if self._writer is not None:
+            self._writer.head = value
+        else:
+            self._counts[0] = value
+
+    @property
+    def _rx_tail(self) -> int:
+        """Bytes consumed from ``rx`` since creation (this end owns the count)."""
+        return self._reader.tail if self._reader is not None else self._counts[1]
+
+    @_rx_tail.setter
+    def _rx_tail(self, value: int) -> None:
+        if self._reader is not None:
+            self._reader.tail = value
+        else:
+            self._counts[1] = value
 
     @property
     def closed(self) -> bool:
@@ -138,25 +173,27 @@ class RingChannel(Channel):
     # ------------------------------------------------------------------ data path
 
     def send(self, msg: Message) -> None:
-        fast, tx = self._fast, self._tx
+        writer = self._writer
         with self._tx_lock:
-            self._check_send()
-            if fast is not None and type(msg.kind) in (MsgKind, int) and msg.kind in _KINDS:
+            if self._closed:
+                raise ChannelClosed("channel is closed")
+            if writer is not None and type(msg.kind) in (MsgKind, int) and msg.kind in _KINDS:
+                meta = msg.meta
+                meta = b"" if type(meta) is dict and not meta else encode_meta(meta, self.limits)
+                head = writer.head
                 try:
-                    head, wake = fast.ring_send(
-                        tx.ctl_addr, tx.data_addr, tx.capacity, self._tx_head,
-                        int(msg.kind), msg.step_id, msg.layer, msg.reply_to,
-                        encode_meta(msg.meta, self.limits), msg.tensors, self._send_limits)
+                    status = writer.send(int(msg.kind), msg.step_id, msg.layer, msg.reply_to,
+                                         meta, msg.tensors)
                 except (TypeError, RuntimeError):  # e.g. a field out of range: the slow path
-                    head, wake = -2, False  # raises the WireError
-                if head >= 0:
-                    if tx.mirrored:  # the fast path wrote the local copy only
-                        tx.publish(self._tx_head, head)
-                        tx.store(HEAD, head)
-                    self._tx_head = head
-                    if wake:
-                        tx.data_bell.ring()
+                    status = _INELIGIBLE  # raises the WireError
+                if status >= 0:  # written: 0, or 1 (the reader sleeps: ring its doorbell)
+                    if self._tx.mirrored:  # the fast path wrote the local copy only
+                        self._tx.publish(head, writer.head)
+                        self._tx.store(HEAD, writer.head)
+                    if status:
+                        self._tx.data_bell.ring()
                     return
+            self._check_send()  # raises when the peer closed (the fast path's -3)
             self._write(encode(msg, self.limits))
 
     def send_raw(self, buffers: Sequence[Buffer]) -> None:
@@ -209,28 +246,29 @@ class RingChannel(Channel):
     def recv(self, timeout: float | None = None) -> Message:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         with self._rx_lock:
-            ring, cap, ctl, data = self._rx, self._rx.capacity, self._rx.ctl, self._rx.data
-            fast = self._fast
+            ring, reader = self._rx, self._reader
             while True:
                 if self._closed:
                     raise ChannelClosed("channel is closed")
-                if fast is not None and not self._dec.in_progress:
+                if reader is not None and not self._dec.in_progress:
                     # one call: spin (no GIL) up to the spin time or the next liveness check
                     spin = self._spin_ns if deadline is None else min(
                         self._spin_ns, max(0, int((deadline - time.monotonic()) * 1e9)))
-                    got = fast.ring_recv(ring.ctl_addr, ring.data_addr, cap, self._rx_tail,
-                                         self._recv_limits, spin,
-                                         YIELD_EVERY if self._forever else 0)
-                    status = got[0]
-                    if status > _SLOW_PATH:  # a whole message: got[0] is the tail past it
-                        msg = self._accept(got)
-                        self._rx_tail = status
-                        if fast.ring_commit(ring.ctl_addr, status):
-                            ring.space_bell.ring()
+                    got = reader.recv(spin, self._yield_every)
+                    if type(got) is not int:  # a whole message, see Reader.recv
+                        if type(got) is tuple:
+                            if len(got) == 1:  # the writer waits for space
+                                ring.space_bell.ring()
+                            else:  # its meta must parse before its bytes go
+                                msg = self._accept(*got)
+                                if reader.commit():
+                                    ring.space_bell.ring()
+                                got = (msg,)
+                            got = got[0]
                         if ring.mirrored:
-                            ring.store(TAIL, status)
-                        return msg
-                    if status == _EMPTY:  # the spin is spent: check the peer, then go on
+                            ring.store(TAIL, reader.tail)
+                        return got
+                    if got == _EMPTY:  # the spin is spent: check the peer, then go on
                         if self._forever:  # spinning, or
                             self._check_rx()
                             if deadline is not None and time.monotonic() >= deadline:
@@ -239,6 +277,7 @@ class RingChannel(Channel):
                                             1, self._check_rx, deadline, spin_s=0.0):
                             raise TimeoutError(f"no message within {timeout} s")  # blocking
                         continue
+                cap, ctl, data = ring.capacity, ring.ctl, ring.data
                 view = self._dec.buffer()  # raises WireError once the stream is corrupt
                 avail = ctl[HEAD] - self._rx_tail
                 if avail <= 0:
@@ -261,10 +300,10 @@ class RingChannel(Channel):
                 if msg is not None:
                     return msg
 
-    def _accept(self, got: tuple) -> Message:
-        """The Message of a fast-path read; a bad kind or meta poisons the stream as the
-        decoder would (the bytes stay in the ring)."""
-        _, _, kind, step_id, layer, reply_to, meta, tensors = got
+    def _accept(self, kind: int, step_id: int, layer: int, reply_to: int, meta: bytes,
+                tensors: list) -> Message:
+        """The Message of a fast-path read; a bad meta poisons the stream as the decoder would
+        (the bytes stay in the ring)."""
         try:
             return Message(decode_kind(kind), step_id, layer, reply_to, decode_meta(meta),
                            tensors)

@@ -3,14 +3,16 @@
 :class:`~lamina.transport.shm.ShmChannel` uses it, when it builds, for what costs most in
 Python per message:
 
-* ``ring_send``: encodes a whole message (header, descriptors, meta, tensor bytes) straight
-  into the ring when it fits in the free space: each tensor is copied once, no intermediate
-  buffer, no Python per tensor;
-* ``ring_recv``: copies a whole, well-formed message out of the ring into fresh tensors (one
-  copy each) and returns its fields, after spinning (without the GIL) up to a given time for
-  one to arrive, so a receiver that is already waiting costs one call; ``ring_commit`` then
-  frees its bytes. Messages up to 64 KB are copied without dropping the GIL (cheaper than the
-  hand-over);
+* ``Writer`` (one per channel end and direction; holds the ring, the limits and HEAD):
+  ``send`` encodes a whole message (header, descriptors, meta, tensor bytes) straight into the
+  ring when it fits in the free space: each tensor is copied once, no intermediate buffer, no
+  Python per tensor;
+* ``Reader`` (holds the ring, the limits and TAIL): ``recv`` copies a whole, well-formed
+  message out of the ring into fresh tensors (one copy each) after spinning (without the GIL)
+  up to a given time for one to arrive, and builds its ``Message`` when it has no meta (then
+  frees its bytes too), so a receiver that is already waiting costs one call; a message with
+  meta is handed back as fields and freed by ``commit`` once the meta parsed. Messages up to
+  64 KB are copied without dropping the GIL (cheaper than the hand-over);
 * ``ring_wait``: spins on a control word without the GIL (so a role's other threads run while
   a receiver polls), yielding now and then when asked.
 

@@ -29,20 +29,20 @@ def pair(fast_a, fast_b, capacity=1 << 16):
 def test_the_fast_path_is_taken_by_default_and_writes_what_python_reads():
     a, b = pair(None, False)
     try:
-        assert a._fast is not None and b._fast is None
+        assert a._writer is not None and b._reader is None
         calls = []
-        real = a._fast
+        real = a._writer
 
         class Spy:
             def __getattr__(self, name):
                 calls.append(name)
                 return getattr(real, name)
 
-        a._fast = Spy()
+        a._writer = Spy()
         x = torch.randn(3, 5)
         a.send(Message(MsgKind.ATTEND, 7, 3, 2, {"k": [1, "a"]}, [x, torch.arange(4)]))
         got = b.recv(timeout=10)
-        assert calls == ["ring_send"]
+        assert "send" in calls
         assert (got.kind, got.step_id, got.layer, got.reply_to, got.meta) == \
             (MsgKind.ATTEND, 7, 3, 2, {"k": [1, "a"]})
         assert_same([x, torch.arange(4)], got.tensors)
@@ -55,7 +55,7 @@ def test_lamina_kernels_torch_turns_it_off_and_requiring_it_then_fails(monkeypat
     monkeypatch.setenv("LAMINA_KERNELS", "torch")
     a, b = pair(None, None)
     try:
-        assert a._fast is None and b._fast is None
+        assert a._writer is None and b._reader is None
         a.send(Message(MsgKind.PING, tensors=[torch.ones(2)]))
         assert b.recv(timeout=10).kind == MsgKind.PING
     finally:

@@ -1,6 +1,6 @@
 // The shared-memory ring's fast path (lamina/transport/shm_fast.py): a whole wire message
-// written into, or read out of, one direction's byte ring in one call, and a wait on a
-// control word without the GIL.
+// written into (Writer), or read out of (Reader), one direction's byte ring in one call by an
+// object that holds the ring's state, and a wait on a control word without the GIL.
 //
 // Ring (lamina/transport/shm_ring.py): a control block of u64 words (HEAD at word 0, TAIL at
 // word 8, R_WAIT at 16, W_WAIT at 24) and `cap` data bytes; HEAD/TAIL count bytes since
@@ -13,6 +13,7 @@
 // This file accepts only messages that are whole and well formed under the given limits;
 // anything else is left in the ring for the Python decoder, which raises the precise error.
 #include <torch/extension.h>
+#include <ATen/EmptyTensor.h>
 
 #include <immintrin.h>
 #include <sched.h>
@@ -29,8 +30,9 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int64_t kHead = 0, kTail = 8, kReaderWaits = 16, kWriterWaits = 24;
+constexpr int64_t kHead = 0, kTail = 8, kReaderWaits = 16, kWriterWaits = 24, kReaderClosed = 40;
 constexpr int64_t kHeaderBytes = 48, kDescBytes = 80, kAlign = 64, kMaxNdim = 8;
+constexpr int64_t kMaxDescs = 64;  // most tensors of a fast-path message (more: the Python path)
 constexpr char kMagic[4] = {'L', 'M', 'N', 'A'};
 constexpr uint16_t kVersion = 1;
 
@@ -136,81 +138,97 @@ bool spin_until(Ready ready, int64_t timeout_ns, int64_t yield_every) {
   }
 }
 
-// Status codes of send / recv (besides a new count).
-constexpr int64_t kNoRoom = -1;      // send: the message does not fit in the free space now
-constexpr int64_t kIneligible = -2;  // send: let the Python encoder handle (or refuse) it
-constexpr int64_t kEmpty = 0;     // recv: no byte of a message yet
-constexpr int64_t kSlowPath = 2;  // recv: not whole yet, malformed, over the limits, too big
+// Status codes of Writer::send / Reader::recv.
+constexpr int64_t kSent = 0;          // send: written (the reader is awake)
+constexpr int64_t kSentWake = 1;      // send: written; the reader sleeps (ring its doorbell)
+constexpr int64_t kNoRoom = -1;       // send: the message does not fit in the free space now
+constexpr int64_t kIneligible = -2;   // send: let the Python encoder handle (or refuse) it
+constexpr int64_t kPeerClosed = -3;   // send: the reader closed its end (nothing written)
+constexpr int64_t kEmpty = 0;         // recv: no byte of a message yet
+constexpr int64_t kSlowPath = 2;      // recv: not whole yet, malformed, over the limits, too big
 
-// send(ctl, data, cap, head, kind, step_id, layer, reply_to, meta, tensors, limits)
-//   -> (new_head | kNoRoom | kIneligible, reader_waits)
-// Writes the whole message at `head` when it fits in the free space; stores HEAD; reports
-// whether the reader sleeps (the caller rings its doorbell).
-std::tuple<int64_t, bool> ring_send(int64_t ctl_addr, int64_t data_addr, int64_t cap,
-                                    int64_t head, int64_t kind, int64_t step_id, int64_t layer,
-                                    int64_t reply_to, const std::string& meta,
-                                    const std::vector<at::Tensor>& tensors,
-                                    const std::vector<int64_t>& limits_in) {
-  const Limits lim(limits_in);
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  if (n > lim.tensors || static_cast<int64_t>(meta.size()) > lim.meta_bytes || kind < 0 ||
-      kind > 0xFFFF)
-    return {kIneligible, false};
-  const int64_t pre = kHeaderBytes + n * kDescBytes + static_cast<int64_t>(meta.size());
-  int64_t total = align(pre);
-  std::vector<Desc> descs(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor& t = tensors[i];
-    const DType* dt = by_type(t.scalar_type());
-    if (!dt || !t.device().is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg() ||
-        t.dim() > lim.ndim || t.dim() > kMaxNdim || t.layout() != at::kStrided)
-      return {kIneligible, false};
-    const int64_t nbytes = t.numel() * dt->size;
-    if (nbytes > lim.tensor_bytes) return {kIneligible, false};
-    Desc& d = descs[i];
-    std::memset(&d, 0, sizeof(d));
-    d.code = static_cast<uint8_t>(dt->code);
-    d.ndim = static_cast<uint8_t>(t.dim());
-    d.nbytes = static_cast<uint64_t>(nbytes);
-    for (int64_t k = 0; k < t.dim(); ++k) d.shape[k] = t.size(k);
-    total += align(nbytes);
-  }
-  if (total > lim.message_bytes) return {kIneligible, false};
-  const Ring r(ctl_addr, data_addr, cap);
-  const uint64_t h = static_cast<uint64_t>(head);
-  if (total > cap - static_cast<int64_t>(h - r.load(kTail))) return {kNoRoom, false};
-  Header hd;
-  std::memcpy(hd.magic, kMagic, 4);
-  hd.version = kVersion;
-  hd.kind = static_cast<uint16_t>(kind);
-  hd.step_id = step_id, hd.layer = layer, hd.reply_to = reply_to;
-  hd.num_tensors = static_cast<uint32_t>(n);
-  hd.meta_len = static_cast<uint32_t>(meta.size());
-  hd.total = static_cast<uint64_t>(total);
-  {
-    std::optional<py::gil_scoped_release> nogil;  // large copies let other threads run
-    if (total > kNoGilBytes) nogil.emplace();
-    uint64_t at = h;
-    r.put(at, &hd, kHeaderBytes), at += kHeaderBytes;
-    if (n) r.put(at, descs.data(), n * kDescBytes), at += n * kDescBytes;
-    if (!meta.empty()) r.put(at, meta.data(), static_cast<int64_t>(meta.size()));
-    at = h + align(pre);
-    for (int64_t i = 0; i < n; ++i) {  // padding bytes are left as they are (never read)
-      const int64_t nbytes = static_cast<int64_t>(descs[i].nbytes);
-      if (nbytes) r.put(at, tensors[i].data_ptr(), nbytes);
-      at += align(nbytes);
+// One end's writer of one direction: the ring, the limits and HEAD (this end's count, which it
+// alone moves) live here, so a message costs one call that converts only its own fields.
+class Writer {
+ public:
+  Writer(int64_t ctl, int64_t data, int64_t cap, int64_t head, const std::vector<int64_t>& limits)
+      : ring_(ctl, data, cap), head(head), lim_(limits) {}
+
+  void set_limits(const std::vector<int64_t>& limits) { lim_ = Limits(limits); }
+
+  // Writes the whole message at `head` when it fits in the free space and stores HEAD:
+  // kSent / kSentWake, or kPeerClosed / kNoRoom / kIneligible (nothing written).
+  int64_t send(int64_t kind, int64_t step_id, int64_t layer, int64_t reply_to,
+               const std::string& meta, const std::vector<at::Tensor>& tensors) {
+    const int64_t n = static_cast<int64_t>(tensors.size());
+    if (ring_.load(kReaderClosed)) return kPeerClosed;
+    if (n > lim_.tensors || static_cast<int64_t>(meta.size()) > lim_.meta_bytes || kind < 0 ||
+        kind > 0xFFFF)
+      return kIneligible;
+    const int64_t pre = kHeaderBytes + n * kDescBytes + static_cast<int64_t>(meta.size());
+    int64_t total = align(pre);
+    Desc descs[kMaxDescs];
+    if (n > kMaxDescs) return kIneligible;
+    for (int64_t i = 0; i < n; ++i) {
+      const at::Tensor& t = tensors[i];
+      const DType* dt = by_type(t.scalar_type());
+      if (!dt || !t.device().is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg() ||
+          t.dim() > lim_.ndim || t.dim() > kMaxNdim || t.layout() != at::kStrided)
+        return kIneligible;
+      const int64_t nbytes = t.numel() * dt->size;
+      if (nbytes > lim_.tensor_bytes) return kIneligible;
+      Desc& d = descs[i];
+      std::memset(&d, 0, sizeof(d));
+      d.code = static_cast<uint8_t>(dt->code);
+      d.ndim = static_cast<uint8_t>(t.dim());
+      d.nbytes = static_cast<uint64_t>(nbytes);
+      for (int64_t k = 0; k < t.dim(); ++k) d.shape[k] = t.size(k);
+      total += align(nbytes);
     }
-    r.store(kHead, h + total);
+    if (total > lim_.message_bytes) return kIneligible;
+    const uint64_t h = static_cast<uint64_t>(head);
+    if (total > ring_.cap - static_cast<int64_t>(h - ring_.load(kTail))) return kNoRoom;
+    Header hd;
+    std::memcpy(hd.magic, kMagic, 4);
+    hd.version = kVersion;
+    hd.kind = static_cast<uint16_t>(kind);
+    hd.step_id = step_id, hd.layer = layer, hd.reply_to = reply_to;
+    hd.num_tensors = static_cast<uint32_t>(n);
+    hd.meta_len = static_cast<uint32_t>(meta.size());
+    hd.total = static_cast<uint64_t>(total);
+    {
+      std::optional<py::gil_scoped_release> nogil;  // large copies let other threads run
+      if (total > kNoGilBytes) nogil.emplace();
+      uint64_t at = h;
+      ring_.put(at, &hd, kHeaderBytes), at += kHeaderBytes;
+      if (n) ring_.put(at, descs, n * kDescBytes), at += n * kDescBytes;
+      if (!meta.empty()) ring_.put(at, meta.data(), static_cast<int64_t>(meta.size()));
+      at = h + align(pre);
+      for (int64_t i = 0; i < n; ++i) {  // padding bytes are left as they are (never read)
+        const int64_t nbytes = static_cast<int64_t>(descs[i].nbytes);
+        if (nbytes) ring_.put(at, tensors[i].data_ptr(), nbytes);
+        at += align(nbytes);
+      }
+      ring_.store(kHead, h + total);
+    }
+    head += total;
+    return ring_.flag_after_fence(kReaderWaits) ? kSentWake : kSent;
   }
-  return {head + total, r.flag_after_fence(kReaderWaits)};
-}
+
+  int64_t head;  // bytes written since creation (the Python path moves it too)
+
+ private:
+  Ring ring_;
+  Limits lim_;
+};
 
 // Checks the header and descriptors at `tail` (already copied to hd / descs) as
 // wire.unpack_header / unpack_preamble do; false: leave the message to the Python decoder.
-bool well_formed(const Header& hd, const std::vector<Desc>& descs, const Limits& lim) {
+bool well_formed(const Header& hd, const Desc* descs, const Limits& lim) {
   if (std::memcmp(hd.magic, kMagic, 4) != 0 || hd.version != kVersion) return false;
   int64_t off = align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
-  for (const Desc& d : descs) {
+  for (uint32_t i = 0; i < hd.num_tensors; ++i) {
+    const Desc& d = descs[i];
     const DType* dt = by_code(d.code);
     if (!dt || d.ndim > lim.ndim || d.ndim > kMaxNdim) return false;
     if (static_cast<int64_t>(d.nbytes) < 0 || static_cast<int64_t>(d.nbytes) > lim.tensor_bytes)
@@ -231,70 +249,101 @@ bool well_formed(const Header& hd, const std::vector<Desc>& descs, const Limits&
   return off == static_cast<int64_t>(hd.total);
 }
 
-// recv(ctl, data, cap, tail, limits, spin_ns, yield_every) -> (status | new_tail, total, kind,
-// step_id, layer, reply_to, meta, tensors). With nothing there yet it first spins (without the
-// GIL) up to spin_ns for a byte to arrive. status kEmpty / kSlowPath; otherwise the first field is the
-// tail past the message (> kSlowPath), whose tensors are fresh
-// (each owns its memory). TAIL is NOT stored: the caller commits with ring_commit once it
-// accepted the message (its meta parses), so a refused message is still in the ring.
-py::tuple ring_recv(int64_t ctl_addr, int64_t data_addr, int64_t cap, int64_t tail,
-                    const std::vector<int64_t>& limits_in, int64_t spin_ns, int64_t yield_every) {
-  const Limits lim(limits_in);
-  const Ring r(ctl_addr, data_addr, cap);
-  const uint64_t t = static_cast<uint64_t>(tail);
-  // the two statuses, built once (never freed: they must outlive the interpreter's teardown)
-  static const py::tuple* empty = new py::tuple(py::make_tuple(kEmpty, 0, 0, 0, 0, 0, py::bytes(), py::list()));
-  static const py::tuple* slow = new py::tuple(py::make_tuple(kSlowPath, 0, 0, 0, 0, 0, py::bytes(), py::list()));
-  if (!spin_until([&] { return r.load(kHead) != t; }, spin_ns, yield_every)) return *empty;
-  const int64_t avail = static_cast<int64_t>(r.load(kHead) - t);
-  if (avail <= 0) return *empty;
-  // A message from the fast path appears whole (one HEAD store): a part of one was streamed
-  // by the Python path (too big for the free space) and is decoded by it as it arrives.
-  if (avail < kHeaderBytes) return *slow;
-  Header hd;
-  r.get(t, &hd, kHeaderBytes);
-  if (std::memcmp(hd.magic, kMagic, 4) != 0 || hd.version != kVersion ||
-      hd.num_tensors > lim.tensors || hd.meta_len > lim.meta_bytes ||
-      static_cast<int64_t>(hd.total) > lim.message_bytes || static_cast<int64_t>(hd.total) < 0 ||
-      static_cast<int64_t>(hd.total) < align(kHeaderBytes + hd.num_tensors * kDescBytes +
-                                             hd.meta_len) ||
-      static_cast<int64_t>(hd.total) > cap)
-    return *slow;
-  const int64_t total = static_cast<int64_t>(hd.total);
-  if (avail < total) return *slow;
-  std::vector<Desc> descs(hd.num_tensors);
-  if (hd.num_tensors) r.get(t + kHeaderBytes, descs.data(), hd.num_tensors * kDescBytes);
-  if (!well_formed(hd, descs, lim)) return *slow;
-  std::string meta(hd.meta_len, '\0');
-  std::vector<at::Tensor> out;
-  out.reserve(descs.size());
-  {
-    std::optional<py::gil_scoped_release> nogil;
-    if (total > kNoGilBytes) nogil.emplace();
-    if (hd.meta_len) r.get(t + kHeaderBytes + hd.num_tensors * kDescBytes, meta.data(),
-                           hd.meta_len);
-    uint64_t at = t + align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
-    for (const Desc& d : descs) {
-      std::vector<int64_t> shape(d.shape, d.shape + d.ndim);
-      at::Tensor x = at::empty(shape, at::TensorOptions().dtype(by_code(d.code)->type));
-      if (d.nbytes) r.get(at, x.data_ptr(), static_cast<int64_t>(d.nbytes));
-      at += align(static_cast<int64_t>(d.nbytes));
-      out.push_back(std::move(x));
+// One end's reader of one direction; holds TAIL (this end's count) like Writer holds HEAD, and
+// builds the Message of a message without meta itself (one call per message).
+class Reader {
+ public:
+  // kinds: wire code -> the kind object a Message holds (codes not in it: the slow path);
+  // message: the Message class, called as message(kind, step_id, layer, reply_to, {}, tensors).
+  Reader(int64_t ctl, int64_t data, int64_t cap, int64_t tail, const std::vector<int64_t>& limits,
+         const py::dict& kinds, py::object message)
+      : ring_(ctl, data, cap), tail(tail), lim_(limits), message_(std::move(message)) {
+    for (auto item : kinds) {
+      const int64_t code = item.first.cast<int64_t>();
+      TORCH_CHECK(code >= 0 && code <= 0xFFFF, "kind codes are u16");
+      if (code >= static_cast<int64_t>(kinds_.size())) kinds_.resize(code + 1);
+      kinds_[code] = py::reinterpret_borrow<py::object>(item.second);
     }
   }
-  py::list tensors(out.size());
-  for (size_t i = 0; i < out.size(); ++i) tensors[i] = py::cast(std::move(out[i]));
-  return py::make_tuple(tail + total, total, static_cast<int64_t>(hd.kind), hd.step_id, hd.layer,
-                        hd.reply_to, py::bytes(meta), tensors);
-}
 
-// Stores TAIL = tail (the reader consumed up to it); returns whether the writer sleeps
-// waiting for space (the caller rings its doorbell).
-bool ring_commit(int64_t ctl_addr, int64_t tail) {
-  const Ring r(ctl_addr, 0, 1);
-  r.store(kTail, static_cast<uint64_t>(tail));
-  return r.flag_after_fence(kWriterWaits);
-}
+  // With nothing there yet, first spins (without the GIL) up to spin_ns for a byte to arrive
+  // (yield_every > 0: sched_yield every that many rounds of 64 polls). Returns
+  //   kEmpty, or kSlowPath (not whole yet, malformed, unknown kind, over the limits: the Python
+  //     decoder's business);
+  //   a Message: a message without meta, committed (TAIL stored past it);
+  //   (Message,): the same, and the writer sleeps waiting for space (ring its doorbell);
+  //   (kind, step_id, layer, reply_to, meta, tensors): a message with meta, NOT committed: the
+  //     caller calls commit() once its meta parsed, so a refused message stays in the ring.
+  // Tensors are fresh (each owns its memory).
+  py::object recv(int64_t spin_ns, int64_t yield_every) {
+    const uint64_t t = static_cast<uint64_t>(tail);
+    if (!spin_until([&] { return ring_.load(kHead) != t; }, spin_ns, yield_every))
+      return py::int_(kEmpty);
+    const int64_t avail = static_cast<int64_t>(ring_.load(kHead) - t);
+    if (avail <= 0) return py::int_(kEmpty);
+    // A message from the fast path appears whole (one HEAD store): a part of one was streamed
+    // by the Python path (too big for the free space) and is decoded by it as it arrives.
+    if (avail < kHeaderBytes) return py::int_(kSlowPath);
+    Header hd;
+    ring_.get(t, &hd, kHeaderBytes);
+    const int64_t total = static_cast<int64_t>(hd.total);
+    if (std::memcmp(hd.magic, kMagic, 4) != 0 || hd.version != kVersion ||
+        hd.num_tensors > lim_.tensors || hd.num_tensors > kMaxDescs ||
+        hd.meta_len > lim_.meta_bytes || total > lim_.message_bytes || total < 0 ||
+        total < align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len) ||
+        total > ring_.cap || avail < total || hd.kind >= kinds_.size() || !kinds_[hd.kind])
+      return py::int_(kSlowPath);
+    Desc descs[kMaxDescs];
+    if (hd.num_tensors) ring_.get(t + kHeaderBytes, descs, hd.num_tensors * kDescBytes);
+    if (!well_formed(hd, descs, lim_)) return py::int_(kSlowPath);
+    std::string meta(hd.meta_len, '\0');
+    std::vector<at::Tensor> out;
+    out.reserve(hd.num_tensors);
+    {
+      std::optional<py::gil_scoped_release> nogil;
+      if (total > kNoGilBytes) nogil.emplace();
+      if (hd.meta_len) ring_.get(t + kHeaderBytes + hd.num_tensors * kDescBytes, meta.data(),
+                                 hd.meta_len);
+      uint64_t at = t + align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
+      for (uint32_t i = 0; i < hd.num_tensors; ++i) {
+        const Desc& d = descs[i];
+        // the CPU allocation itself (at::empty would go through the dispatcher first)
+        at::Tensor x(at::detail::empty_cpu(c10::IntArrayRef(d.shape, d.ndim),
+                                           by_code(d.code)->type));
+        if (d.nbytes) ring_.get(at, x.data_ptr(), static_cast<int64_t>(d.nbytes));
+        at += align(static_cast<int64_t>(d.nbytes));
+        out.push_back(std::move(x));
+      }
+    }
+    pending_ = tail + total;
+    py::list tensors(out.size());
+    for (size_t i = 0; i < out.size(); ++i) tensors[i] = py::cast(std::move(out[i]));
+    if (hd.meta_len)
+      return py::make_tuple(static_cast<int64_t>(hd.kind), hd.step_id, hd.layer, hd.reply_to,
+                            py::bytes(meta), std::move(tensors));
+    py::object msg = message_(kinds_[hd.kind], hd.step_id, hd.layer, hd.reply_to, py::dict(),
+                              std::move(tensors));
+    if (commit()) return py::make_tuple(std::move(msg));
+    return msg;
+  }
+
+  // Frees the last message read (stores TAIL past it); returns whether the writer sleeps
+  // waiting for space (the caller rings its doorbell).
+  bool commit() {
+    tail = pending_;
+    ring_.store(kTail, static_cast<uint64_t>(tail));
+    return ring_.flag_after_fence(kWriterWaits);
+  }
+
+  int64_t tail;  // bytes consumed since creation (the Python path moves it too)
+
+ private:
+  Ring ring_;
+  Limits lim_;
+  py::object message_;              // the Message class
+  std::vector<py::object> kinds_;   // code -> kind object (empty: not a kind; the slow path)
+  int64_t pending_ = 0;             // the tail past the last message read
+};
 
 // Spins (without the GIL) until ctl[word] - base >= need (signed), for at most timeout_ns;
 // returns whether it came true. yield_every > 0: sched_yield every that many polls, so a
@@ -311,15 +360,24 @@ bool ring_wait(int64_t ctl_addr, int64_t word, int64_t base, int64_t need, int64
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lamina shared-memory ring fast path (see lamina/transport/shm_fast.py)";
-  m.def("ring_send", &ring_send,
-        "ring_send(ctl, data, cap, head, kind, step_id, layer, reply_to, meta, tensors, limits) "
-        "-> (new_head | -1 no room | -2 ineligible, reader_waits)");
-  m.def("ring_recv", &ring_recv,
-        "ring_recv(ctl, data, cap, tail, limits, spin_ns, yield_every) -> (new_tail | 0 empty | "
-        "2 slow path, total, kind, step_id, layer, reply_to, meta, tensors)",
-        py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("tail"), py::arg("limits"),
-        py::arg("spin_ns") = 0, py::arg("yield_every") = 0);
-  m.def("ring_commit", &ring_commit, "ring_commit(ctl, tail) -> writer_waits");
+  py::class_<Writer>(m, "Writer")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, const std::vector<int64_t>&>(),
+           py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("head"), py::arg("limits"))
+      .def("send", &Writer::send,
+           "send(kind, step_id, layer, reply_to, meta, tensors) -> 0 sent | 1 sent, reader "
+           "sleeps | -1 no room | -2 ineligible | -3 reader closed")
+      .def("set_limits", &Writer::set_limits)
+      .def_readwrite("head", &Writer::head);
+  py::class_<Reader>(m, "Reader")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, const std::vector<int64_t>&,
+                    const py::dict&, py::object>(),
+           py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("tail"), py::arg("limits"),
+           py::arg("kinds"), py::arg("message"))
+      .def("recv", &Reader::recv,
+           "recv(spin_ns, yield_every) -> 0 empty | 2 slow path | Message | (Message,): the "
+           "writer sleeps | (kind, step_id, layer, reply_to, meta, tensors): commit() pending")
+      .def("commit", &Reader::commit, "commit() -> writer sleeps")
+      .def_readwrite("tail", &Reader::tail);
   m.def("ring_wait", &ring_wait,
         "ring_wait(ctl, word, base, need, timeout_ns, yield_every) -> ctl[word] - base >= need");
 }
