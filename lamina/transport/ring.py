@@ -74,7 +74,7 @@ class RingChannel(Channel):
         self._counts = [int(tx.ctl[HEAD]), int(rx.ctl[TAIL])]
         if fast is not None:
             self._writer = fast.Writer(tx.ctl_addr, tx.data_addr, tx.capacity, self._counts[0],
-                                       self._send_limits)
+                                       self._send_limits, sorted(_KINDS))
             self._reader = fast.Reader(rx.ctl_addr, rx.data_addr, rx.capacity, self._counts[1],
                                        limits.as_tuple(),  # the decoder's limits, fixed
                                        {int(k): k for k in MsgKind}, Message)
@@ -177,15 +177,15 @@ class RingChannel(Channel):
         with self._tx_lock:
             if self._closed:
                 raise ChannelClosed("channel is closed")
-            if writer is not None and type(msg.kind) in (MsgKind, int) and msg.kind in _KINDS:
+            if writer is not None and type(msg.kind) in (MsgKind, int):  # Writer checks the kind
                 meta = msg.meta
                 meta = b"" if type(meta) is dict and not meta else encode_meta(meta, self.limits)
                 head = writer.head
-                try:
+                try:  # a field out of range etc.: the slow path raises the WireError
                     status = writer.send(int(msg.kind), msg.step_id, msg.layer, msg.reply_to,
                                          meta, msg.tensors)
-                except (TypeError, RuntimeError):  # e.g. a field out of range: the slow path
-                    status = _INELIGIBLE  # raises the WireError
+                except (TypeError, RuntimeError):
+                    status = _INELIGIBLE
                 if status >= 0:  # written: 0, or 1 (the reader sleeps: ring its doorbell)
                     if self._tx.mirrored:  # the fast path wrote the local copy only
                         self._tx.publish(head, writer.head)

@@ -35,6 +35,7 @@ class StreamDecoder:
         self._reset()
 
     def _reset(self) -> None:
+        self.in_progress = False  # True once part of a message has been received
         self._stage = 0  # 0 header, 1 preamble, 2 body
         self._buf: Any = bytearray(HEADER_SIZE)
         self._got = 0
@@ -48,11 +49,6 @@ class StreamDecoder:
         later call raises."""
         self._error = exc
 
-    @property
-    def in_progress(self) -> bool:
-        """True when part of a message has been received."""
-        return self._stage > 0 or self._got > 0
-
     def buffer(self) -> memoryview:
         if self._error is not None:
             raise WireError(f"stream is corrupt after an earlier error: {self._error}")
@@ -62,6 +58,7 @@ class StreamDecoder:
         if self._error is not None:
             raise WireError(f"stream is corrupt after an earlier error: {self._error}")
         self._got += n
+        self.in_progress = self._got > 0 or self._stage > 0
         try:
             while self._got == len(self._buf):
                 msg = self._step()

@@ -13,7 +13,6 @@
 // This file accepts only messages that are whole and well formed under the given limits;
 // anything else is left in the ring for the Python decoder, which raises the precise error.
 #include <torch/extension.h>
-#include <ATen/EmptyTensor.h>
 
 #include <immintrin.h>
 #include <sched.h>
@@ -151,8 +150,10 @@ constexpr int64_t kSlowPath = 2;      // recv: not whole yet, malformed, over th
 // alone moves) live here, so a message costs one call that converts only its own fields.
 class Writer {
  public:
-  Writer(int64_t ctl, int64_t data, int64_t cap, int64_t head, const std::vector<int64_t>& limits)
-      : ring_(ctl, data, cap), head(head), lim_(limits) {}
+  // kinds: the wire codes of the message kinds (others: kIneligible, the Python encoder refuses).
+  Writer(int64_t ctl, int64_t data, int64_t cap, int64_t head, const std::vector<int64_t>& limits,
+         const std::vector<int64_t>& kinds)
+      : ring_(ctl, data, cap), head(head), lim_(limits), kinds_(kinds) {}
 
   void set_limits(const std::vector<int64_t>& limits) { lim_ = Limits(limits); }
 
@@ -162,8 +163,8 @@ class Writer {
                const std::string& meta, const std::vector<at::Tensor>& tensors) {
     const int64_t n = static_cast<int64_t>(tensors.size());
     if (ring_.load(kReaderClosed)) return kPeerClosed;
-    if (n > lim_.tensors || static_cast<int64_t>(meta.size()) > lim_.meta_bytes || kind < 0 ||
-        kind > 0xFFFF)
+    if (n > lim_.tensors || static_cast<int64_t>(meta.size()) > lim_.meta_bytes ||
+        std::find(kinds_.begin(), kinds_.end(), kind) == kinds_.end())
       return kIneligible;
     const int64_t pre = kHeaderBytes + n * kDescBytes + static_cast<int64_t>(meta.size());
     int64_t total = align(pre);
@@ -220,6 +221,7 @@ class Writer {
  private:
   Ring ring_;
   Limits lim_;
+  std::vector<int64_t> kinds_;
 };
 
 // Checks the header and descriptors at `tail` (already copied to hd / descs) as
@@ -307,9 +309,8 @@ class Reader {
       uint64_t at = t + align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
       for (uint32_t i = 0; i < hd.num_tensors; ++i) {
         const Desc& d = descs[i];
-        // the CPU allocation itself (at::empty would go through the dispatcher first)
-        at::Tensor x(at::detail::empty_cpu(c10::IntArrayRef(d.shape, d.ndim),
-                                           by_code(d.code)->type));
+        at::Tensor x = at::empty(c10::IntArrayRef(d.shape, d.ndim),
+                                 at::TensorOptions().dtype(by_code(d.code)->type));
         if (d.nbytes) ring_.get(at, x.data_ptr(), static_cast<int64_t>(d.nbytes));
         at += align(static_cast<int64_t>(d.nbytes));
         out.push_back(std::move(x));
@@ -361,8 +362,10 @@ bool ring_wait(int64_t ctl_addr, int64_t word, int64_t base, int64_t need, int64
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lamina shared-memory ring fast path (see lamina/transport/shm_fast.py)";
   py::class_<Writer>(m, "Writer")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, const std::vector<int64_t>&>(),
-           py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("head"), py::arg("limits"))
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, const std::vector<int64_t>&,
+                    const std::vector<int64_t>&>(),
+           py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("head"), py::arg("limits"),
+           py::arg("kinds"))
       .def("send", &Writer::send,
            "send(kind, step_id, layer, reply_to, meta, tensors) -> 0 sent | 1 sent, reader "
            "sleeps | -1 no room | -2 ineligible | -3 reader closed")
