@@ -180,14 +180,15 @@ class RingChannel(Channel):
             if writer is not None and type(msg.kind) in (MsgKind, int):  # Writer checks the kind
                 meta = msg.meta
                 meta = b"" if type(meta) is dict and not meta else encode_meta(meta, self.limits)
-                head = writer.head
+                mirrored = self._tx.mirrored
+                head = writer.head if mirrored else 0
                 try:  # a field out of range etc.: the slow path raises the WireError
                     status = writer.send(int(msg.kind), msg.step_id, msg.layer, msg.reply_to,
                                          meta, msg.tensors)
                 except (TypeError, RuntimeError):
                     status = _INELIGIBLE
                 if status >= 0:  # written: 0, or 1 (the reader sleeps: ring its doorbell)
-                    if self._tx.mirrored:  # the fast path wrote the local copy only
+                    if mirrored:  # the fast path wrote the local copy only
                         self._tx.publish(head, writer.head)
                         self._tx.store(HEAD, writer.head)
                     if status:
