@@ -18,7 +18,9 @@ step of every method per round, median over rounds).
   16-token slabs of the pool, float32 and bfloat16 pools, at 1 thread and at torch's thread
   count; one call per pool layer per round (at least 2 layers, cache-cold). ``GB/s`` = KV bytes
   read / time and ``% copy`` = that over a plain ``dst.copy_(src)`` of the KV's size (read +
-  write bytes), timed in the same rounds.
+  write bytes), timed in the same rounds. Pools and the copy's tensors are allocated like a
+  memory node's pool (:func:`~lamina.memnode.kv_pool.pool_zeros`: transparent huge pages
+  where the host allows), so both sides of the ratio get the same pages.
 
 Methods: ``cpp`` (the C++ kernel, :mod:`lamina.kernels.cpp_ext`; the CPU default),
 ``torch_cpu`` (the torch path: sparse ops, :mod:`lamina.kernels.torch_sparse`),
@@ -55,6 +57,7 @@ if str(ROOT) not in sys.path:
 from lamina.kernels import (cpp_ext, paged_attention_batched,  # noqa: E402
                             paged_attention_cpu, paged_attention_ref, plan_cache)
 from lamina.memnode.allocator import SlabAllocator  # noqa: E402
+from lamina.memnode.kv_pool import pool_zeros  # noqa: E402
 from lamina.types import AttentionSpec  # noqa: E402
 
 # (requests, context lo, hi, kind): see cpu_case
@@ -138,8 +141,10 @@ def cpu_case(ctx: np.ndarray, layout: str, kind: str = "decode", seed: int = 0,
     layer_bytes = 2 * S * kv_heads * head_dim * esize
     L = int(min(30, max(2, budget // layer_bytes)))
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(L, S, kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(L, S, kv_heads, head_dim, generator=g).to(dtype)
+    k = pool_zeros((L, S, kv_heads, head_dim), dtype)  # as a memory node's pool: huge pages
+    v = pool_zeros((L, S, kv_heads, head_dim), dtype)
+    k.copy_(torch.randn(L, S, kv_heads, head_dim, generator=g))
+    v.copy_(torch.randn(L, S, kv_heads, head_dim, generator=g))
     T = int(q_lens.sum())
     qs = [torch.randn(T, heads, head_dim, generator=g).to(dtype) for _ in range(L)]
     idx = (torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)])),
@@ -157,8 +162,8 @@ def time_steps(case: dict, methods: dict, reps: int, warmup: int, ref_every: int
     method per round, rounds interleaved; ``reference`` runs every ``ref_every``-th round, and
     only ``REF_CALLS`` calls."""
     k, v, qs, idx, spec, L = (case[n] for n in ("k", "v", "qs", "idx", "spec", "L"))
-    copy_src = torch.empty(case["kv_bytes"] // 4).normal_()
-    copy_dst = torch.empty_like(copy_src)
+    copy_src = pool_zeros((case["kv_bytes"] // 4,), torch.float32).normal_()  # the pool's pages
+    copy_dst = pool_zeros((case["kv_bytes"] // 4,), torch.float32)
 
     def step(fn, n):
         plan_cache.clear()  # every step builds its plan at its first layer, as in serving

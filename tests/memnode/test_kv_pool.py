@@ -1,11 +1,13 @@
 """KVPool: store/gather round trips, views, sizing from byte budgets and free memory."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from lamina.memnode.kv_pool import KVPool, available_memory
+from lamina.memnode.kv_pool import HUGE_PAGE, KVPool, available_memory, pool_zeros
 
 
 def test_store_then_views_and_gather_round_trip():
@@ -74,3 +76,42 @@ def test_capacity_from_free_memory():
     assert 0 < pool.nbytes <= free * 1e-6 + per and pool.capacity % 4 == 0
     with pytest.raises(ValueError):
         KVPool.from_free_memory(0.0, 1, 1, 8)
+
+
+def _thp_eligible(addr: int) -> bool | None:
+    """The THPeligible flag of the mapping holding ``addr`` (None: the host does not say)."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        return None
+    inside = False
+    for line in smaps.read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_zeros_is_zeroed_writable_and_huge_page_eligible(dtype):
+    shape = (2, HUGE_PAGE // 64, 4, 8)  # 2 * 2 MiB / 64 * 32 elements: several huge pages
+    t = pool_zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    t[1, 5] = 3.0
+    assert float(t.sum()) == 3.0 * 4 * 8
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this host has no transparent huge pages")
+    assert _thp_eligible(t.data_ptr()) is not False  # advised (or THP always on)
+
+
+def test_small_pools_and_the_pool_itself():
+    small = pool_zeros((3, 4), torch.float32)
+    assert small.shape == (3, 4) and not small.any()
+    pool = KVPool(2, 3, 64, 4096)  # 3 MiB per cache: huge-page backed where the host allows
+    assert pool.k_cache.shape == (2, 4096, 3, 64) and not pool.k_cache.any()
+    pool.k_cache[0, 1] = 1.0
+    assert float(pool.k(0)[1].sum()) == 3 * 64
