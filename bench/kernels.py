@@ -19,7 +19,7 @@ step of every method per round, median over rounds).
   count; one call per pool layer per round (at least 2 layers, cache-cold). ``GB/s`` = KV bytes
   read / time and ``% copy`` = that over a plain ``dst.copy_(src)`` of the KV's size (read +
   write bytes), timed in the same rounds. Pools and the copy's tensors are allocated like a
-  memory node's pool (:func:`~lamina.memnode.kv_pool.pool_zeros`: transparent huge pages
+  memory node's pool (:func:`~lamina.device.huge_page_zeros`: transparent huge pages
   where the host allows), so both sides of the ratio get the same pages.
 
 Methods: ``cpp`` (the C++ kernel, :mod:`lamina.kernels.cpp_ext`; the CPU default),
@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
 from lamina.kernels import (cpp_ext, paged_attention_batched,  # noqa: E402
                             paged_attention_cpu, paged_attention_ref, plan_cache)
 from lamina.memnode.allocator import SlabAllocator  # noqa: E402
-from lamina.memnode.kv_pool import pool_zeros  # noqa: E402
+from lamina.device import huge_page_zeros  # noqa: E402
 from lamina.types import AttentionSpec  # noqa: E402
 
 # (requests, context lo, hi, kind): see cpu_case
@@ -141,8 +141,8 @@ def cpu_case(ctx: np.ndarray, layout: str, kind: str = "decode", seed: int = 0,
     layer_bytes = 2 * S * kv_heads * head_dim * esize
     L = int(min(30, max(2, budget // layer_bytes)))
     g = torch.Generator().manual_seed(seed)
-    k = pool_zeros((L, S, kv_heads, head_dim), dtype)  # as a memory node's pool: huge pages
-    v = pool_zeros((L, S, kv_heads, head_dim), dtype)
+    k = huge_page_zeros((L, S, kv_heads, head_dim), dtype)  # as a memory node's pool
+    v = huge_page_zeros((L, S, kv_heads, head_dim), dtype)
     k.copy_(torch.randn(L, S, kv_heads, head_dim, generator=g))
     v.copy_(torch.randn(L, S, kv_heads, head_dim, generator=g))
     T = int(q_lens.sum())
@@ -162,8 +162,8 @@ def time_steps(case: dict, methods: dict, reps: int, warmup: int, ref_every: int
     method per round, rounds interleaved; ``reference`` runs every ``ref_every``-th round, and
     only ``REF_CALLS`` calls."""
     k, v, qs, idx, spec, L = (case[n] for n in ("k", "v", "qs", "idx", "spec", "L"))
-    copy_src = pool_zeros((case["kv_bytes"] // 4,), torch.float32).normal_()  # the pool's pages
-    copy_dst = pool_zeros((case["kv_bytes"] // 4,), torch.float32)
+    copy_src = huge_page_zeros((case["kv_bytes"] // 4,), torch.float32).normal_()  # pool pages
+    copy_dst = huge_page_zeros((case["kv_bytes"] // 4,), torch.float32)
 
     def step(fn, n):
         plan_cache.clear()  # every step builds its plan at its first layer, as in serving

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from lamina.device import huge_page_zeros
 from lamina.kernels import cpp_ext
 from lamina.kernels.dispatch import requested
 
@@ -100,13 +101,28 @@ def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
 
+def _arenas(ext, weights: list[torch.Tensor | None]) -> dict:
+    """Per weight dtype, one zeroed allocation in huge pages (:func:`huge_page_zeros`) that holds
+    every packed weight of the list back to back, and the next free element: a slice streams
+    its weights every step, and with 4 KB pages each page costs a TLB miss and a restart of the
+    hardware prefetcher (one pass over packed SmolLM2 weights at 8 rows: ~6 % faster). Sizes
+    come from packing an empty ``[N, 0]`` weight (the panel layout is ``[P, ceil(K / lanes),
+    rows, lanes]``)."""
+    sizes: dict[torch.dtype, int] = {}
+    for w in weights:
+        if w is not None:
+            P, _, rows, lanes = ext.pack_linear_weight(w.new_empty(w.shape[0], 0)).shape
+            sizes[w.dtype] = sizes.get(w.dtype, 0) + P * -(-w.shape[1] // lanes) * rows * lanes
+    return {dt: (huge_page_zeros((n,), dt), 0) for dt, n in sizes.items()}
+
+
 def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
     """Point ``gm``'s ``aten.linear`` nodes at :func:`skinny_linear` (in place, recompiled);
     with ``pack`` (default: :func:`packing_available`) every float32 or bfloat16 CPU weight
     that is a constant of ``gm`` is packed once for the C++ kernel (a buffer
-    ``_lamina_panels_<i>`` of ``gm``), unless twice the packed bytes exceed the host's
-    available memory (then ``gm`` keeps the unpacked paths). Returns how many nodes were
-    changed."""
+    ``_lamina_panels_<i>`` of ``gm``: a view of one huge-page allocation per dtype), unless
+    twice the packed bytes exceed the host's available memory (then ``gm`` keeps the unpacked
+    paths). Returns how many nodes were changed."""
     global _ext
     if pack is None:
         pack = packing_available()
@@ -119,6 +135,7 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
                and w.dim() == 2 else None for w in weights]
     if ext is not None and 2 * sum(w.nbytes for w in weights if w is not None) > free_memory():
         ext = None  # the packed copies would not fit beside what the host still has free
+    arenas = _arenas(ext, weights) if ext is not None else {}
     n = 0
     for node, weight in zip(nodes, weights):
         node.target = skinny_linear
@@ -126,11 +143,15 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
         if ext is None or weight is None:
             continue
         name = f"_lamina_panels_{n}"
-        gm.register_buffer(name, ext.pack_linear_weight(weight.detach()), persistent=False)
+        packed = ext.pack_linear_weight(weight.detach())
+        arena, at = arenas[weight.dtype]
+        panels = arena[at:at + packed.numel()].view(packed.shape).copy_(packed)
+        arenas[weight.dtype] = (arena, at + packed.numel())
+        gm.register_buffer(name, panels, persistent=False)
         with gm.graph.inserting_before(node):
-            panels = gm.graph.get_attr(name)
+            panels_node = gm.graph.get_attr(name)
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        node.args, node.kwargs = (node.args[0], node.args[1], bias, panels), {}
+        node.args, node.kwargs = (node.args[0], node.args[1], bias, panels_node), {}
     if n:
         gm.recompile()
     return n

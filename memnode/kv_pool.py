@@ -11,40 +11,16 @@ out (:meth:`KVPool.gather`) are new tensors owned by the caller.
 """
 from __future__ import annotations
 
-import mmap
 import os
 from typing import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["KVPool", "available_memory", "pool_zeros"]
+from lamina.device import huge_page_zeros
 
-HUGE_PAGE = 2 << 20  # bytes of a transparent huge page (x86-64, arm64 with 4 KB base pages)
+__all__ = ["KVPool", "available_memory"]
 
-
-def pool_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros on the CPU in memory the kernel backs with transparent huge pages where it allows
-    (THP in ``madvise`` mode needs this advice; ``always`` gives them anyway; ``never``: 4 KB
-    pages as before). A pool read at random slots misses the TLB on nearly every slab with
-    4 KB pages (in a VM each miss is a two-level walk) and the hardware prefetcher stops at
-    every 4 KB boundary: with huge pages the paged-attention kernel reads ~10 % faster
-    (bench/kernels.py). Every page is touched here, so the memory is committed now, as with
-    ``torch.zeros`` (which this falls back to for small pools or where the advice is
-    refused)."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(tuple(shape), dtype=dtype)
-    try:
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        return torch.zeros(tuple(shape), dtype=dtype)
-    out = torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))  # holds buf
-    return out.zero_()  # fault every page in now (as huge pages where the kernel has them)
 
 
 def available_memory(device: torch.device | str = "cpu") -> int:
@@ -84,8 +60,9 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (self.num_layers, self.capacity, self.num_kv_heads, self.head_dim)
-        if self.device.type == "cpu":  # huge pages: see pool_zeros
-            self.k_cache, self.v_cache = pool_zeros(shape, dtype), pool_zeros(shape, dtype)
+        if self.device.type == "cpu":  # in huge pages: slots are read at random
+            self.k_cache = huge_page_zeros(shape, dtype)
+            self.v_cache = huge_page_zeros(shape, dtype)
         else:
             self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.memnode.kv_pool import HUGE_PAGE, KVPool, available_memory, pool_zeros
+from lamina.device import HUGE_PAGE, huge_page_zeros
+from lamina.memnode.kv_pool import KVPool, available_memory
 
 
 def test_store_then_views_and_gather_round_trip():
@@ -95,9 +96,9 @@ def _thp_eligible(addr: int) -> bool | None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pool_zeros_is_zeroed_writable_and_huge_page_eligible(dtype):
+def test_huge_page_zeros_is_zeroed_writable_and_huge_page_eligible(dtype):
     shape = (2, HUGE_PAGE // 64, 4, 8)  # 2 * 2 MiB / 64 * 32 elements: several huge pages
-    t = pool_zeros(shape, dtype)
+    t = huge_page_zeros(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert not t.any()
     t[1, 5] = 3.0
@@ -109,7 +110,7 @@ def test_pool_zeros_is_zeroed_writable_and_huge_page_eligible(dtype):
 
 
 def test_small_pools_and_the_pool_itself():
-    small = pool_zeros((3, 4), torch.float32)
+    small = huge_page_zeros((3, 4), torch.float32)
     assert small.shape == (3, 4) and not small.any()
     pool = KVPool(2, 3, 64, 4096)  # 3 MiB per cache: huge-page backed where the host allows
     assert pool.k_cache.shape == (2, 4096, 3, 64) and not pool.k_cache.any()
