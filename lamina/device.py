@@ -9,10 +9,11 @@ enough (:func:`default_cores`).
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
-from typing import Sequence
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -158,9 +159,7 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     2-core Zen 3 VM: the paged-attention kernel ~10 % faster, a pass over packed weights
     ~6 %. Every page is touched here, so the memory is committed now, as with ``torch.zeros``
     (which this falls back to below one huge page or where the advice is refused)."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
+    numel = math.prod(int(n) for n in shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(tuple(shape), dtype=dtype)

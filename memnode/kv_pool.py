@@ -22,7 +22,6 @@ from lamina.device import huge_page_zeros
 __all__ = ["KVPool", "available_memory"]
 
 
-
 def available_memory(device: torch.device | str = "cpu") -> int:
     """Free bytes on ``device``: ``torch.cuda.mem_get_info`` on CUDA, MemAvailable on CPU hosts.
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import abstractmethod
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
@@ -68,16 +69,17 @@ class RingChannel(Channel):
         self._spin_ns = int(min(self._spin_s, wake_interval) * 1e9)  # per fast receive call
         self._dec = StreamDecoder(limits)
         self._fast = fast
-        # the fast path's ring ends hold this end's counts (HEAD of tx, TAIL of rx); the Python
-        # path reads and moves them through _tx_head / _rx_tail
+        # this end's counts (HEAD of tx, TAIL of rx) live in the fast path's ring ends, which
+        # the Python path reads and moves too; without it, in plain stand-ins
         self._writer = self._reader = None
-        self._counts = [int(tx.ctl[HEAD]), int(rx.ctl[TAIL])]
         if fast is not None:
-            self._writer = fast.Writer(tx.ctl_addr, tx.data_addr, tx.capacity, self._counts[0],
+            self._writer = fast.Writer(tx.ctl_addr, tx.data_addr, tx.capacity, int(tx.ctl[HEAD]),
                                        self._send_limits, sorted(_KINDS))
-            self._reader = fast.Reader(rx.ctl_addr, rx.data_addr, rx.capacity, self._counts[1],
+            self._reader = fast.Reader(rx.ctl_addr, rx.data_addr, rx.capacity, int(rx.ctl[TAIL]),
                                        limits.as_tuple(),  # the decoder's limits, fixed
                                        {int(k): k for k in MsgKind}, Message)
+        self._tx_end = self._writer or SimpleNamespace(head=int(tx.ctl[HEAD]))
+        self._rx_end = self._reader or SimpleNamespace(tail=int(rx.ctl[TAIL]))
         self._tx_lock = threading.Lock()
         self._rx_lock = threading.Lock()
         self._close_lock = threading.Lock()
@@ -114,30 +116,6 @@ class RingChannel(Channel):
             self._writer.set_limits(self._send_limits)
 
     @property
-    def _tx_head(self) -> int:
-        """Bytes written to ``tx`` since creation (this end owns the count)."""
-        return self._writer.head if self._writer is not None else self._counts[0]
-
-    @_tx_head.setter
-    def _tx_head(self, value: int) -> None:
-        if self._writer is not None:
-            self._writer.head = value
-        else:
-            self._counts[0] = value
-
-    @property
-    def _rx_tail(self) -> int:
-        """Bytes consumed from ``rx`` since creation (this end owns the count)."""
-        return self._reader.tail if self._reader is not None else self._counts[1]
-
-    @_rx_tail.setter
-    def _rx_tail(self, value: int) -> None:
-        if self._reader is not None:
-            self._reader.tail = value
-        else:
-            self._counts[1] = value
-
-    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -154,11 +132,11 @@ class RingChannel(Channel):
         self._on_check()
         if self._rx.ctl[W_CLOSED]:
             fence()
-            if self._rx.ctl[HEAD] == self._rx_tail:
+            if self._rx.ctl[HEAD] == self._rx_end.tail:
                 raise ChannelClosed("peer closed the channel")
         elif not self.peer_alive():
             fence()
-            if self._rx.ctl[HEAD] == self._rx_tail:
+            if self._rx.ctl[HEAD] == self._rx_end.tail:
                 raise PeerDied("peer process died (channel receive)")
 
     def _check_tx(self) -> None:
@@ -221,21 +199,21 @@ class RingChannel(Channel):
             while off < total:
                 if self._closed:  # closed from another thread mid-message
                     raise ChannelClosed("channel is closed")
-                free = cap - (self._tx_head - ctl[TAIL])
+                free = cap - (self._tx_end.head - ctl[TAIL])
                 if free <= 0:
                     self._wake_reader(ring)  # it must drain the ring before we go on
-                    self._wait(ring, W_WAIT, ring.space_bell, TAIL, self._tx_head - cap, 1,
+                    self._wait(ring, W_WAIT, ring.space_bell, TAIL, self._tx_end.head - cap, 1,
                                self._check_tx, None)
                     continue
                 fence()  # the reader's tail store precedes our overwrite
-                pos = self._tx_head % cap
+                pos = self._tx_end.head % cap
                 n = min(free, total - off, cap - pos)
                 data[pos:pos + n] = src[off:off + n]
-                ring.publish(self._tx_head, self._tx_head + n)
+                ring.publish(self._tx_end.head, self._tx_end.head + n)
                 off += n
-                self._tx_head += n
+                self._tx_end.head += n
                 fence()  # data before head
-                ring.store(HEAD, self._tx_head)
+                ring.store(HEAD, self._tx_end.head)
         self._wake_reader(ring)  # once per message, not per buffer: fewer wake-ups
 
     @staticmethod
@@ -258,14 +236,13 @@ class RingChannel(Channel):
                     got = reader.recv(spin, self._yield_every)
                     if type(got) is not int:  # a whole message, see Reader.recv
                         if type(got) is tuple:
-                            if len(got) == 1:  # the writer waits for space
-                                ring.space_bell.ring()
+                            if len(got) == 1:  # committed; the writer waits for space
+                                got, wake = got[0], True
                             else:  # its meta must parse before its bytes go
-                                msg = self._accept(*got)
-                                if reader.commit():
-                                    ring.space_bell.ring()
-                                got = (msg,)
-                            got = got[0]
+                                got = self._accept(*got)
+                                wake = reader.commit()
+                            if wake:
+                                ring.space_bell.ring()
                         if ring.mirrored:
                             ring.store(TAIL, reader.tail)
                         return got
@@ -274,26 +251,26 @@ class RingChannel(Channel):
                             self._check_rx()
                             if deadline is not None and time.monotonic() >= deadline:
                                 raise TimeoutError(f"no message within {timeout} s")
-                        elif not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_tail,
+                        elif not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_end.tail,
                                             1, self._check_rx, deadline, spin_s=0.0):
                             raise TimeoutError(f"no message within {timeout} s")  # blocking
                         continue
                 cap, ctl, data = ring.capacity, ring.ctl, ring.data
                 view = self._dec.buffer()  # raises WireError once the stream is corrupt
-                avail = ctl[HEAD] - self._rx_tail
+                avail = ctl[HEAD] - self._rx_end.tail
                 if avail <= 0:
-                    if not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_tail, 1,
+                    if not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_end.tail, 1,
                                       self._check_rx, deadline):
                         raise TimeoutError(f"no message within {timeout} s")
                     continue
                 fence()  # head before data
-                pos = self._rx_tail % cap
+                pos = self._rx_end.tail % cap
                 n = min(avail, len(view), cap - pos)
                 view[:n] = data[pos:pos + n]
                 view.release()
-                self._rx_tail += n
+                self._rx_end.tail += n
                 fence()  # data read before the writer may reuse it
-                ring.store(TAIL, self._rx_tail)
+                ring.store(TAIL, self._rx_end.tail)
                 fence()  # tail before reading the writer's waiting flag
                 if ctl[W_WAIT]:
                     ring.space_bell.ring()
