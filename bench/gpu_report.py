@@ -18,7 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-STEPS = ("pytest_gpu", "kernels", "e2e_gpu_memory", "e2e_cpu_memory")
+PROBES = ("polling_probe_lazy", "polling_probe_eager")
+STEPS = (*PROBES, "pytest_gpu", "kernels", "e2e_gpu_memory", "e2e_cpu_memory")
 MBU_TARGET = 0.85
 
 
@@ -46,6 +47,11 @@ def summarise(d: Path) -> dict:
         secs = d / f"{s}.seconds"
         out["steps"][s] = {"rc": rc, "last_line": _last_line(d / f"{s}.log"),
                            "seconds": secs.read_text().strip() if secs.exists() else "?"}
+    for p in PROBES:  # one line per host call timed behind a pending flag wait
+        log = d / f"{p}.log"
+        if log.exists():
+            out[p] = [x for x in log.read_text().splitlines() if x.rstrip().endswith(("ok", "wait"))
+                      or " error " in x]
     k = _read_json(d / "kernels_cuda.json")
     if k:
         tri = [r for r in k["rows"] if r.get("method") == "triton"]
@@ -85,6 +91,9 @@ def markdown(s: dict) -> str:
              "| step | exit | seconds | last line |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['rc']} | {v['seconds']} | {v['last_line'][:120]} |"
               for k, v in s["steps"].items()]
+    for p in PROBES:
+        if s.get(p):
+            lines += ["", f"## {p} (host calls behind a pending flag wait)", "", "```", *s[p], "```"]
     k = s.get("kernels")
     if k:
         lines += ["", "## Triton decode attention (bf16, 32/8/128)", "",

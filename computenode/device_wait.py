@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+import warnings
 
 from lamina.transport.ring_memory import fence
 
@@ -166,6 +167,11 @@ class DeviceFlag:
         """Whether a wait on this flag gave up (its stream went on without the release)."""
         return bool(self._missed.value)
 
+    def clear_timed_out(self) -> None:
+        """Forget a wait that gave up (its error has been reported), so later waits are judged
+        on their own."""
+        self._missed.value = 0
+
     @property
     def value(self) -> int:
         return int(self._word.value)
@@ -177,15 +183,19 @@ class DeviceFlag:
         fence()  # what the waiting work reads is written before the flag moves
         self._word.value = value
 
-    def wait(self, target: int, stream=None, timeout_s: float = WAIT_TIMEOUT_S) -> None:
+    def wait(self, target: int, stream=None, timeout_s: float | None = None) -> None:
         """Enqueue on ``stream`` (a ``torch.cuda.Stream``; default torch's current one) a wait
-        until the counter is ``>= target``, at most ``timeout_s`` (then :attr:`timed_out`).
-        Returns at once."""
+        until the counter is ``>= target``, at most ``timeout_s`` (default ``WAIT_TIMEOUT_S``;
+        then :attr:`timed_out`). Returns at once."""
+        timeout_s = WAIT_TIMEOUT_S if timeout_s is None else timeout_s
         import cupy
         import torch
 
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
-        with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(s.cuda_stream):
+        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; 13 lacks its successor
+            warnings.simplefilter("ignore", DeprecationWarning)
+            external = cupy.cuda.ExternalStream(s.cuda_stream)
+        with cupy.cuda.Device(self.device), external:
             _kernel()((1,), (1,), (cupy.uint64(self._dev), cupy.uint64(target),
                                    cupy.uint64(int(timeout_s * 1e9)), cupy.uint64(self._dev + 8)))
 

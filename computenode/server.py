@@ -18,14 +18,11 @@ Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no 
   the number of ATTEND parts per node to wait for).
 
 Every inbound channel has a reader thread that puts messages into one inbox; the main thread
-takes them in order, files each under its step, and runs every slice whose context and
-attention results have arrived (oldest micro-batch first). A failing node or peer fails every
-micro-batch in flight with an ERROR to the engine; the replica keeps serving (the engine
-decides what happens next).
-
-With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays on this
-replica has its next slice pre-launched as soon as its ATTENDs are sent: enqueued on its slot's
-CUDA stream behind a wait on a device flag, released when the results land.
+takes them in order, files each under its step, and runs every slice whose context and attention
+results have arrived (oldest micro-batch first). A failing node or peer fails every micro-batch
+in flight with an ERROR to the engine; the replica keeps serving (the engine decides the rest).
+With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays here has
+its next slice pre-launched once its ATTENDs are sent, behind a device flag its results move.
 """
 from __future__ import annotations
 
@@ -43,7 +40,7 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.computenode.attend import NodeRoute, attend_messages, join_results, merge_results
-from lamina.computenode.polling import Prelaunched, make_polling
+from lamina.computenode.polling import Prelaunched, eager_module_loading, make_polling
 from lamina.computenode.schedule import replica_for
 from lamina.splitter.slices import ATTN_OUT
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
@@ -73,6 +70,8 @@ class ReplicaConfig:
     cores: list[int] | None = None  # CPU cores owned: pinned, one thread each (None: num_threads)
     cuda_graph_tokens: int = 0  # capture CUDA graphs for steps of up to this many tokens (0: off)
     device_polling: str = "off"  # off | cuda | emulated (lamina.computenode.polling)
+    micro_batches: int = 1  # slots in flight and ...
+    max_step_tokens: int = 0  # ... tokens per micro-batch: polling's staging, made up front
 
 
 @dataclass
@@ -97,6 +96,8 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
     at ``endpoint``, load and split the model, then serve until SHUTDOWN. A model that fails to
     load answers every control message with the error."""
     cfg = ReplicaConfig(**config)
+    if cfg.device_polling == "cuda":
+        eager_module_loading()  # before the model's load starts CUDA
     own_cores(cfg.cores, None if cfg.cores else cfg.num_threads)
     ctrl = connect(endpoint)
     try:
@@ -132,7 +133,8 @@ class ReplicaServer:
         self.last_step = -1  # newest STEP seen (the engine sends them in step id order)
         self.spans: list[list] = []  # timeline spans not yet sent to the engine
         self.failure: Exception | None = None
-        self.polling = make_polling(config.device_polling, replica.device)
+        self.polling = make_polling(config.device_polling, replica.device,
+                                    config.micro_batches, config.max_step_tokens)
         self._reader("engine", ctrl)
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -356,9 +358,8 @@ class ReplicaServer:
                                        meta={"names": names, "parts": parts},
                                        tensors=[context[n].contiguous() for n in names]))
             mb.values = None
-        t2 = time.perf_counter_ns()
         self._span("compute", self.cfg.index, f"slice {k}{tag}", t0, t1, mb)
-        self._span("compute", self.cfg.index, "send", t1, t2, mb)
+        self._span("compute", self.cfg.index, "send", t1, time.perf_counter_ns(), mb)
 
     def _prelaunch(self, mb: MicroBatch, q: torch.Tensor) -> None:
         """Enqueue slice ``mb.k`` now, reading an attention output not yet here (polling)."""

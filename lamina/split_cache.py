@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -63,12 +64,16 @@ def split_key(name: str, dtype: torch.dtype, device: torch.device | str) -> str 
 
 
 def _read(folder: Path) -> SplitModel | None:
-    # torch's deserializer logs a warning per unused shape symbol: not the user's business
+    # torch's deserializer logs a warning per unused shape symbol, and warns (torch 2.11) about
+    # the read-only buffer it loads weights from: not the user's business
     serde = logging.getLogger("torch._export.serde.serialize")
     level = serde.level
     serde.setLevel(logging.ERROR)
     try:
-        return SplitModel.load(folder)
+        with warnings.catch_warnings():  # torch 2.11 reads weights from a read-only buffer
+            warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                                    category=UserWarning)
+            return SplitModel.load(folder)
     except SplitError:
         shutil.rmtree(folder, ignore_errors=True)  # unreadable: split again
         return None

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a lent GPU machine (issue 22). Uses only what such a machine has: torch,
 # triton, cupy, transformers; no internet, no pip. Runs, in order:
+#   0. scripts/polling_probe.py          (host calls that block behind a device flag wait)
 #   1. pytest -m gpu                     (Triton kernels compiled, device polling, CUDA wire)
 #   2. bench/kernels.py --device cuda    (Triton decode attention: GB/s, % of copy, MBU vs the
 #                                         device's spec bandwidth; batch 1..256 x ctx 512..32k)
@@ -66,6 +67,9 @@ step() {  # step NAME CMD...: run, keep its log, remember a failure, go on
     echo $((SECONDS - t0)) > "$DIR/$name.seconds"  # to size the next lease
     [ "$rc" -eq 0 ] || status=1
 }
+# which host calls block behind a pending flag wait, with lazy and eager module loading (~20 s)
+step polling_probe_lazy env CUDA_MODULE_LOADING=LAZY python scripts/polling_probe.py
+step polling_probe_eager env CUDA_MODULE_LOADING=EAGER python scripts/polling_probe.py
 step pytest_gpu python -m pytest "${PYT[@]}" ${GPU_CHECK_TESTS:-tests}
 POLL=(--device-polling)  # a broken flag kernel would hang the e2e runs: gpu tests must pass first
 if [ "${GPU_CHECK_POLLING:-1}" = 0 ]; then

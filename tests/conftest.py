@@ -1,5 +1,6 @@
 """Import lamina before anything loads torch, so the test processes get Lamina's OpenMP wait
-policy like a user's (lamina/omp.py); keep this session's model splits in a temporary folder."""
+policy like a user's (lamina/omp.py); keep this session's model splits in a temporary folder;
+load CUDA modules eagerly (GPU machines), as a polling replica does."""
 import atexit
 import os
 import shutil
@@ -10,5 +11,8 @@ import tempfile
 if "LAMINA_SPLIT_CACHE" not in os.environ:
     os.environ["LAMINA_SPLIT_CACHE"] = _dir = tempfile.mkdtemp(prefix="lamina-splits-")
     atexit.register(shutil.rmtree, _dir, ignore_errors=True)
+
+# device-side polling needs every CUDA kernel loaded when the context starts (computenode/polling)
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import lamina  # noqa: E402,F401

@@ -176,7 +176,9 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         template = ReplicaConfig(config.model.model, replica_devs[0].torch,
                                  str(info.dtype).removeprefix("torch."), 0, 1, "none",
                                  num_threads=icfg.num_threads, peer_base=inst_id * PEER_STRIDE,
-                                 cuda_graph_tokens=graph_tokens, device_polling=icfg.device_polling)
+                                 cuda_graph_tokens=graph_tokens, device_polling=icfg.device_polling,
+                                 micro_batches=icfg.pipeline.micro_batches,
+                                 max_step_tokens=config.scheduler.max_num_batched_tokens)
         try:
             worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
                                     num_slices=len(info.split.slices), transport=icfg.transport,

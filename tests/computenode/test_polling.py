@@ -40,20 +40,73 @@ def test_config_refuses_what_cannot_run(kw, match):
         deployment_config("x", **kw)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_prelaunched_work_waits_for_its_landing():
+def _cuda_polling(**kw):
     from lamina.computenode.device_wait import unavailable
     if unavailable() is not None:
         pytest.skip(unavailable())
-    p = make_polling("cuda", "cuda:0")
+    return make_polling("cuda", "cuda:0", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prelaunched_work_waits_for_its_landing():
+    p = _cuda_polling()
     x = torch.zeros(1, device="cuda")
     ahead = p.prelaunch(0, torch.zeros(4, device="cuda"), lambda o: (x.add_(o.sum()), o * 2)[1])
     done = torch.cuda.Event()
     with p.stream(0):
         done.record()
     assert not done.query()  # parked on the flag
-    out = p.land(ahead, torch.ones(4, device="cuda"))
+    out = p.land(ahead, torch.ones(4))
     p.streams[0].synchronize()
     assert float(x) == 4 and torch.equal(out, torch.full((4,), 2.0, device="cuda"))
+    with pytest.raises(ValueError, match="from host memory"):
+        p.land(p.prelaunch(0, torch.zeros(4, device="cuda"), lambda o: o), torch.ones(4, device="cuda"))
     p.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_other_slots_work_while_one_waits():
+    """What a replica does between a slot's prelaunch and its landing (the other slot's slice:
+    fresh device allocations, a read-back to the host) must not wait behind the parked slot."""
+    from lamina.computenode import device_wait
+
+    p = _cuda_polling(slots=2, max_tokens=64)
+    timeout, device_wait.WAIT_TIMEOUT_S = device_wait.WAIT_TIMEOUT_S, 5.0
+    try:
+        q = torch.randn(16, 3, 8, device="cuda")
+        ahead = p.prelaunch(0, q, lambda o: o * 3)
+        assert p.staging[1].numel() == 64 * 3 * 8 * 4
+        with p.stream(1):
+            for n in (1 << 20, 3 << 20, 7 << 20):
+                y = torch.randn(n, device="cuda")
+                assert y.cpu().shape == (n,)
+        o = torch.randn(16, 3, 8)
+        out = p.land(ahead, o)
+        assert torch.equal(out.cpu(), o * 3) and not p.flags[0].timed_out
+        with pytest.raises(ValueError, match="does not fit the staging buffer"):
+            p.prelaunch(1, torch.zeros(65, 3, 8, device="cuda"), lambda o: o)
+    finally:
+        device_wait.WAIT_TIMEOUT_S = timeout
+        p.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_a_timed_out_wait_fails_its_landing_only():
+    from lamina.computenode import device_wait
+
+    p = _cuda_polling()
+    timeout, device_wait.WAIT_TIMEOUT_S = device_wait.WAIT_TIMEOUT_S, 0.2
+    try:
+        ahead = p.prelaunch(0, torch.zeros(4, device="cuda"), lambda o: o + 1)
+        p.streams[0].synchronize()  # the wait gives up after 0.2 s
+        with pytest.raises(RuntimeError, match="gave up"):
+            p.land(ahead, torch.ones(4))
+        device_wait.WAIT_TIMEOUT_S = timeout
+        ahead = p.prelaunch(0, torch.zeros(4, device="cuda"), lambda o: o + 1)
+        assert torch.equal(p.land(ahead, torch.ones(4)).cpu(), torch.full((4,), 2.0))
+    finally:
+        device_wait.WAIT_TIMEOUT_S = timeout
+        p.close()
