@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("hf", "lamina-inproc", "lamina-procs")
+OPTIONAL = ("lamina-graphs", "lamina-polling")  # a failure is reported, the others go on
 
 
 def make_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[int]]:
@@ -47,16 +48,26 @@ def make_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[i
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def interleaved_steps(steppers: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
+def interleaved_steps(steppers: dict, rounds: int, warmup: int,
+                      failed: dict[str, str] | None = None) -> dict[str, list[float]]:
     """Seconds of each system's decode steps, ``rounds`` rounds of one step each (after
-    ``warmup`` untimed rounds); the order of the systems rotates every round."""
+    ``warmup`` untimed rounds); the order of the systems rotates every round. A system in
+    :data:`OPTIONAL` whose step raises is dropped and its error kept in ``failed``."""
     names = list(steppers)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in tqdm(range(warmup + rounds), desc="rounds", leave=False):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             t = time.perf_counter()
-            steppers[n].step()
+            try:
+                steppers[n].step()
+            except Exception as e:
+                if failed is None or n not in OPTIONAL:
+                    raise
+                failed[n] = f"{type(e).__name__}: {e}"
+                names.remove(n)
+                times.pop(n)
+                continue
             if r >= warmup:
                 times[n].append(time.perf_counter() - t)
     return times
@@ -103,20 +114,32 @@ def main() -> None:
               max_num_batched_tokens=max(args.batches) * args.prompt_len[1])
     llms = {"lamina-inproc": LLM(args.model, memory=args.memory, placement="inproc", **kw),
             "lamina-procs": LLM(args.model, memory=args.memory, placement="procs", **kw)}
-    if args.cuda_graphs:
-        llms["lamina-graphs"] = LLM(args.model, memory=args.memory, placement="inproc",
-                                    cuda_graphs=True, **kw)
-    if args.device_polling:
-        llms["lamina-polling"] = LLM(args.model, memory=args.memory, placement="procs",
-                                     device_polling="cuda", **kw)
+    failed: dict[str, str] = {}  # optional system -> why it was dropped
+    options = {"lamina-graphs": (args.cuda_graphs, dict(placement="inproc", cuda_graphs=True)),
+               "lamina-polling": (args.device_polling, dict(placement="procs", device_polling="cuda"))}
+    for name, (on, extra_kw) in options.items():
+        if on:
+            try:
+                llms[name] = LLM(args.model, memory=args.memory, **extra_kw, **kw)
+            except Exception as e:
+                failed[name] = f"{type(e).__name__}: {e}"
     rows = []
     try:
         for b in tqdm(args.batches, desc="bench e2e"):
             prompts = make_prompts(b, vocab, seed=b, lo=args.prompt_len[0], hi=args.prompt_len[1])
             n = args.warmup + args.steps
-            steppers = {"hf": HFStepper(loaded.model, prompts, pad),
-                        **{k: LaminaStepper(llm, prompts, n) for k, llm in llms.items()}}
-            got = stats(interleaved_steps(steppers, args.steps, args.warmup), b)
+            steppers = {"hf": HFStepper(loaded.model, prompts, pad)}
+            for k, llm in list(llms.items()):
+                try:
+                    steppers[k] = LaminaStepper(llm, prompts, n)
+                except Exception as e:
+                    if k not in OPTIONAL:
+                        raise
+                    failed[k] = f"{type(e).__name__}: {e}"
+                    llms.pop(k).close()
+            got = stats(interleaved_steps(steppers, args.steps, args.warmup, failed), b)
+            for k in set(failed) & set(llms):
+                llms.pop(k).close()
             rows += got
             for r in got:
                 tqdm.write(f"batch {b:3d} {r['system']:14s} {r['tok_per_s']:8.1f} tok/s "
@@ -126,9 +149,10 @@ def main() -> None:
             llm.close()
 
     by = {(r["batch"], r["system"]): r for r in rows}
-    extra = [(name, base, title) for name, base, title, on in (
-        ("lamina-graphs", "lamina-inproc", "graphs / in-process", args.cuda_graphs),
-        ("lamina-polling", "lamina-procs", "polling / processes", args.device_polling)) if on]
+    extra = [(name, base, title) for name, base, title in (
+        ("lamina-graphs", "lamina-inproc", "graphs / in-process"),
+        ("lamina-polling", "lamina-procs", "polling / processes"))
+        if all((b, name) in by for b in args.batches)]
     lines = ["| batch | HF tok/s | Lamina in-process tok/s | Lamina processes tok/s | "
              "in-process / HF | processes / HF | processes / in-process | "
              "ms/token (HF / in-proc / procs) |" + "".join(f" {t} |" for _, _, t in extra),
@@ -144,7 +168,7 @@ def main() -> None:
     meta = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
             "prompt_len": args.prompt_len, "memory_nodes": args.memory, "device": args.device,
             "memory_device": args.memory_device or args.device, "cuda_graphs": args.cuda_graphs,
-            "device_polling": args.device_polling,
+            "device_polling": args.device_polling, "failed": failed,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine()}
     out = Path(args.out)
@@ -153,7 +177,8 @@ def main() -> None:
     md = (f"# End-to-end decode ({args.model}, {device}, {args.memory} memory nodes, prompts "
           f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, {args.steps} interleaved steps)"
           f"\n\nRatios: median over rounds of the per-round ratio of step times.\n\n"
-          + "\n".join(lines) + "\n")
+          + "\n".join(lines) + "\n"
+          + "".join(f"\n{k} failed and was dropped: {why}\n" for k, why in failed.items()))
     (out / f"e2e_{device}.md").write_text(md)
     plot(rows, args.batches, out / f"e2e_{device}.png", meta)
     print(md)

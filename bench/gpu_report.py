@@ -66,6 +66,8 @@ def summarise(d: Path) -> dict:
     for layout in ("gpu_memory", "cpu_memory"):
         e = _read_json(d / layout / "e2e_cuda.json")
         if e:
+            for name, why in e.get("meta", {}).get("failed", {}).items():
+                out.setdefault("failed", []).append(f"{layout} {name}: {why}")
             out[f"e2e_{layout}"] = [{k2: r.get(k2) for k2 in ("batch", "system", "tok_per_s",
                                                               "ms_per_token", "vs_hf")}
                                     for r in e["rows"]]
@@ -116,6 +118,7 @@ def markdown(s: dict) -> str:
                 lines.append(f"| {r['batch']} | {r['system']} | {r['tok_per_s']:.1f} | "
                              f"{r['ms_per_token']:.2f} | {'-' if vs is None else f'{vs:.2f}x'} |")
     lines += ["", f"CUDA graphs: {s['cuda_graphs']}.", "", f"Device-side polling: {s['device_polling']}.", ""]
+    lines += [f"Dropped from a decode run: {f}" for f in s.get("failed", [])]
     return "\n".join(lines)
 
 

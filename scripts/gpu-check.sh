@@ -5,8 +5,8 @@
 #   1. pytest -m gpu                     (Triton kernels compiled, device polling, CUDA wire)
 #   2. bench/kernels.py --device cuda    (Triton decode attention: GB/s, % of copy, MBU vs the
 #                                         device's spec bandwidth; batch 1..256 x ctx 512..32k)
-#   3. bench/e2e.py --device cuda:0      (decode tok/s: memory nodes on the GPU, then on the
-#                                         CPU = NEO's layout), each against HF on the GPU, and
+#   3. bench/e2e.py --device cuda:0      (decode tok/s: memory nodes on the CPU = NEO's layout,
+#                                         then on the GPU), each against HF on the GPU, and
 #                                         in-process with vs without CUDA graphs, processes
 #                                         with vs without device-side polling
 #   4. bench/gpu_report.py               (one JSON + one markdown table of all of it)
@@ -78,7 +78,7 @@ elif [ "$(cat "$DIR/pytest_gpu.rc")" != 0 ]; then
     POLL=(); echo "e2e without --device-polling: pytest -m gpu failed" | tee -a "$DIR/environment.txt"
 fi
 step kernels python bench/kernels.py --device cuda "${KQ[@]}" --out "$DIR"
-step e2e_gpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/gpu_memory"
 step e2e_cpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory-device cpu --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/cpu_memory"
+step e2e_gpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/gpu_memory"
 step report python bench/gpu_report.py "$DIR"
 exit $status

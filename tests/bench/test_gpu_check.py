@@ -51,3 +51,22 @@ def test_report_summarises_the_steps(tmp_path):
     assert "cpu_memory: batch 8 1.40x" in md
     assert s["polling_gain_cpu_memory"] == {"8": 1.1} and "Device-side polling: cpu_memory: batch 8 1.10x" in md
     assert not math.isnan(s["kernels"]["cells"][0]["mbu"])
+
+
+def test_report_names_blocking_calls_and_dropped_setups(tmp_path):
+    (tmp_path / "polling_probe_lazy.rc").write_text("0\n")
+    (tmp_path / "polling_probe_lazy.log").write_text(
+        "device: H100\nkernel launch (matmul) on stream B   2138.8 ms  BLOCKED by the wait\n"
+        "torch.cuda.Stream()   0.0 ms  ok\n")
+    (tmp_path / "gpu_memory").mkdir()
+    (tmp_path / "gpu_memory" / "e2e_cuda.json").write_text(json.dumps({
+        "meta": {"failed": {"lamina-polling": "RuntimeError: a wait gave up"}},
+        "rows": [{"batch": 8, "system": "lamina-procs", "tok_per_s": 100.0, "ms_per_token": 80.0,
+                  "vs_hf": 0.9}]}))
+    assert gpu_report.main([str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert s["polling_probe_lazy"] == ["kernel launch (matmul) on stream B   2138.8 ms  BLOCKED by the wait",
+                                       "torch.cuda.Stream()   0.0 ms  ok"]
+    assert s["failed"] == ["gpu_memory lamina-polling: RuntimeError: a wait gave up"]
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "BLOCKED by the wait" in md and "Dropped from a decode run: gpu_memory lamina-polling" in md
