@@ -96,11 +96,11 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
     at ``endpoint``, load and split the model, then serve until SHUTDOWN. A model that fails to
     load answers every control message with the error."""
     cfg = ReplicaConfig(**config)
-    if cfg.device_polling == "cuda":
-        eager_module_loading()  # before the model's load starts CUDA
     own_cores(cfg.cores, None if cfg.cores else cfg.num_threads)
     ctrl = connect(endpoint)
     try:
+        if cfg.device_polling == "cuda":
+            eager_module_loading()  # before the model's load starts CUDA
         from lamina.models import default_dtype, load_model
         from lamina.split_cache import load_split
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(torch.device(cfg.device))

@@ -1,6 +1,8 @@
 """Pre-launched slices (computenode/polling.py): the CPU stand-in's contract, and the config's
 refusals. The CUDA implementation is tested under ``gpu``; the replica server's use of it (in
 processes, greedy output equal to HF) in tests/e2e/test_pipeline_processes.py."""
+import os
+
 import pytest
 import torch
 
@@ -38,6 +40,19 @@ def test_config_refuses_what_cannot_run(kw, match):
         pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match=match):
         deployment_config("x", **kw)
+
+
+def test_eager_module_loading_is_set_before_cuda_starts_and_refused_after(monkeypatch):
+    from lamina.computenode.polling import eager_module_loading
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    eager_module_loading()
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    eager_module_loading()  # already eager: nothing to do, even once CUDA runs
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA_MODULE_LOADING=EAGER before CUDA starts"):
+        eager_module_loading()
 
 
 def _cuda_polling(**kw):
