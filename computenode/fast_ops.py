@@ -14,6 +14,10 @@ Python numbers, int lists), so results are bitwise identical; nodes that pass ``
 keyword (the bindings call it ``input``) are left alone. Everything else (``linear``, which
 :mod:`lamina.computenode.cpu_linear` owns; ``slice``, which has no binding; shape ops) keeps
 its ``OpOverload``.
+
+:func:`flatten_constants` makes each constant (a weight, a norm's scale, a packed panel) one
+plain attribute of the slice: the exported ``get_attr`` of ``m.model.layers.4.self_attn.q_proj
+.weight`` compiles to a chain of ``Module.__getattr__`` calls that runs on every call.
 """
 from __future__ import annotations
 
@@ -50,6 +54,29 @@ def use_fast_ops(gm: fx.GraphModule) -> int:
         fast = FAST.get(node.target) if node.op == "call_function" else None
         if fast is not None and "self" not in node.kwargs:
             node.target = fast
+            n += 1
+    if n:
+        gm.recompile()
+    return n
+
+
+def flatten_constants(gm: fx.GraphModule) -> int:
+    """Point every tensor ``get_attr`` of ``gm`` at an alias in ``gm``'s instance dict
+    (``_lamina_c_<i>``: the same tensor, found by Python's plain attribute lookup instead of one
+    ``Module.__getattr__`` per dotted part; ~70 calls per SmolLM2 slice). In place,
+    recompiled; returns how many nodes changed. Contract: ``gm`` is on its final device (an
+    alias would not follow a later ``.to()``), and nothing rebinds its constants afterwards."""
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target.startswith("_lamina_c_"):
+            continue
+        obj: Any = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, torch.Tensor):
+            name = f"_lamina_c_{n}"
+            gm.__dict__[name] = obj
+            node.target = name
             n += 1
     if n:
         gm.recompile()

@@ -12,7 +12,7 @@ import torch
 
 from lamina.computenode.cpu_linear import use_skinny_linear
 from lamina.computenode.cuda_graphs import SliceGraphs, capture_sizes
-from lamina.computenode.fast_ops import use_fast_ops
+from lamina.computenode.fast_ops import flatten_constants, use_fast_ops
 from lamina.computenode.sampling import Sampler
 from lamina.splitter import SplitModel
 from lamina.types import SamplingParams, StepPlan
@@ -28,6 +28,7 @@ class ComputeReplica:
             use_fast_ops(gm)
             if self.device.type == "cpu":
                 use_skinny_linear(gm)
+            flatten_constants(gm)  # last: the slice is on its device, its panels made
         self.graphs: SliceGraphs | None = None
         if cuda_graph_tokens > 0:  # raises where the device cannot capture them
             self.graphs = SliceGraphs(split, self.device, capture_sizes(cuda_graph_tokens))

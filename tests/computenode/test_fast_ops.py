@@ -69,3 +69,26 @@ def test_self_by_keyword_is_left_alone():
     gm = fx.GraphModule(torch.nn.Module(), g)
     assert use_fast_ops(gm) == 0 and node.target is aten.neg.default
     assert torch.equal(gm(X), -X)
+
+
+def test_flattened_constants_are_the_same_tensors_and_outputs_unchanged():
+    from lamina.computenode.fast_ops import flatten_constants
+    from lamina.splitter import split_model
+    sm = split_model(tiny_model("llama"))
+    ids, pos, rows = torch.tensor([5, 9, 33, 2, 7]), torch.arange(5), torch.tensor([4])
+
+    def attend(k, q, key, v):
+        return (q * key.repeat_interleave(q.shape[1] // key.shape[1], 1)).tanh()
+
+    before = sm.forward(ids, pos, rows, attend)
+    gm = sm.slices[1]
+    dotted = {n.target: getattr(gm.get_submodule(n.target.rpartition(".")[0]), n.target.rpartition(".")[2])
+              for n in gm.graph.nodes if n.op == "get_attr" and "." in n.target}
+    assert dotted and sum(flatten_constants(g) for g in sm.slices) > 0
+    attrs = [n.target for g in sm.slices for n in g.graph.nodes if n.op == "get_attr"]
+    assert attrs and all(t.startswith("_lamina_c_") for t in attrs)
+    assert {id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"} == \
+        {id(t) for t in dotted.values()}  # aliases, not copies
+    assert "_lamina_c_0" in vars(gm)  # plain attribute lookup, no Module.__getattr__
+    assert torch.equal(sm.forward(ids, pos, rows, attend), before)
+    assert all(flatten_constants(g) == 0 for g in sm.slices)  # a second pass changes nothing
