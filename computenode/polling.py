@@ -132,8 +132,8 @@ class Polling:
             self._allocate(like)
         if slot not in self.flags:
             raise ValueError(f"micro-batch slot {slot} out of range: polling has {self.slots} slots")
+        staged = self._staged(slot, like)  # raises before anything is enqueued
         self.counts[slot] += 1
-        staged = self._staged(slot, like)
         with self.stream(slot):
             buffer = torch.empty(like.shape, dtype=like.dtype, device=self.device)
             self.flags[slot].wait(self.counts[slot], self.streams[slot])

@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip"
+# pip's own notices (running as root, a newer pip) are not the user's business here
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! python -c "import torch" >/dev/null 2>&1; then
     $PIP install -q "torch==2.13.0"
 fi
