@@ -9,10 +9,11 @@ buffer). The slice's kernels are then queued on the GPU while the memory nodes w
 results arrive, :meth:`Polling.land` writes the merged output into the staging buffer (a plain
 host copy) and moves the flag: the GPU copies it in and starts the slice at once.
 
-Landing makes no CUDA call. Any CUDA call the host makes while a wait is pending may block
-until that wait ends (an H2D copy from pageable memory, a pinned or device allocation, a
-stream synchronize); the thread that would move the flag would then never get there, and the
-wait would run into its timeout. So everything that allocates happens before the first wait:
+Landing makes no CUDA call. Some CUDA calls the host makes while a wait is pending block until
+that wait ends (measured on an H100: an H2D copy from pageable memory on the waiting stream, a
+mapped host allocation, the first launch of a kernel whose module is not loaded; a synchronize
+of the waiting stream, by definition); the thread that would move the flag would then never
+get there, and the wait would run into its timeout. So everything that allocates happens before the first wait:
 flags, streams and staging for every slot (``slots`` micro-batches of up to ``max_tokens``
 tokens) are made at the first :meth:`Polling.prelaunch`. One staging buffer per slot is enough:
 layer k's results cannot arrive before layer k's q was read back to the host, which needs the
