@@ -43,6 +43,10 @@ SYSTEMS = ("hf", "lamina-inproc", "lamina-procs")
 OPTIONAL = ("lamina-graphs", "lamina-polling")  # a failure is reported, the others go on
 
 
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 def make_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -64,7 +68,7 @@ def interleaved_steps(steppers: dict, rounds: int, warmup: int,
             except Exception as e:
                 if failed is None or n not in OPTIONAL:
                     raise
-                failed[n] = f"{type(e).__name__}: {e}"
+                failed[n] = _why(e)
                 names.remove(n)
                 times.pop(n)
                 continue
@@ -122,7 +126,7 @@ def main() -> None:
             try:
                 llms[name] = LLM(args.model, memory=args.memory, **extra_kw, **kw)
             except Exception as e:
-                failed[name] = f"{type(e).__name__}: {e}"
+                failed[name] = _why(e)
     rows = []
     try:
         for b in tqdm(args.batches, desc="bench e2e"):
@@ -135,7 +139,7 @@ def main() -> None:
                 except Exception as e:
                     if k not in OPTIONAL:
                         raise
-                    failed[k] = f"{type(e).__name__}: {e}"
+                    failed[k] = _why(e)
                     llms.pop(k).close()
             got = stats(interleaved_steps(steppers, args.steps, args.warmup, failed), b)
             for k in set(failed) & set(llms):

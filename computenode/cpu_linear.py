@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from lamina.computenode.fast_ops import constant
 from lamina.device import huge_page_zeros
 from lamina.kernels import cpp_ext
 from lamina.kernels.dispatch import requested
@@ -92,15 +93,6 @@ def free_memory() -> int:
     return 1 << 62
 
 
-def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        return None
-    obj = gm
-    for part in node.target.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, torch.Tensor) else None
-
-
 def _arenas(ext, weights: list[torch.Tensor | None]) -> dict:
     """Per weight dtype, one zeroed allocation in huge pages (:func:`huge_page_zeros`) that holds
     every packed weight of the list back to back, and the next free element: a slice streams
@@ -131,7 +123,7 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
     _ext = ext or _ext
     nodes = [node for node in gm.graph.nodes if node.op == "call_function"
              and node.target is torch.ops.aten.linear.default]
-    weights = [_constant(gm, node.args[1]) for node in nodes]
+    weights = [constant(gm, node.args[1]) for node in nodes]
     weights = [w if w is not None and w.dtype in PACKED_DTYPES and w.device.type == "cpu"
                and w.dim() == 2 else None for w in weights]
     if ext is not None and 2 * sum(w.nbytes for w in weights if w is not None) > free_memory():

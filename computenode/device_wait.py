@@ -61,6 +61,7 @@ _LOCK = threading.Lock()
 WAIT_TIMEOUT_S = 60.0  # a flag that has not moved in a minute: the peer is gone, free the stream
 PROBE_TIMEOUT_S = 2.0  # the probe's bounded wait (the host moves the flag after ~10 ms)
 _PROBED: dict[int, str | None] = {}
+_STREAMS: dict[int, object] = {}  # CUDA stream pointer -> cupy ExternalStream
 
 
 def unavailable(device: int = 0) -> str | None:
@@ -133,6 +134,19 @@ def _kernel():
         return _KERNEL
 
 
+def _external(ptr: int):
+    """cupy's handle of the CUDA stream ``ptr`` (made once per stream: waits are per layer).
+    cupy 14 deprecates ``ExternalStream``, and cupy 13 lacks its successor."""
+    stream = _STREAMS.get(ptr)
+    if stream is None:
+        import cupy
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = _STREAMS[ptr] = cupy.cuda.ExternalStream(ptr)
+    return stream
+
+
 def _device_pointer(rt, host: int) -> int:
     """The device address of mapped host memory: ``cudaHostGetDevicePointer`` where cupy
     binds it, else ``cudaPointerGetAttributes``'s ``devicePointer`` (cupy 14 binds only this)."""
@@ -192,10 +206,7 @@ class DeviceFlag:
         import torch
 
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
-        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; 13 lacks its successor
-            warnings.simplefilter("ignore", DeprecationWarning)
-            external = cupy.cuda.ExternalStream(s.cuda_stream)
-        with cupy.cuda.Device(self.device), external:
+        with cupy.cuda.Device(self.device), _external(s.cuda_stream):
             _kernel()((1,), (1,), (cupy.uint64(self._dev), cupy.uint64(target),
                                    cupy.uint64(int(timeout_s * 1e9)), cupy.uint64(self._dev + 8)))
 

@@ -60,6 +60,16 @@ def use_fast_ops(gm: fx.GraphModule) -> int:
     return n
 
 
+def constant(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node of ``gm`` reads (None: not a get_attr of a tensor)."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    obj: Any = gm
+    for part in node.target.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
 def flatten_constants(gm: fx.GraphModule) -> int:
     """Point every tensor ``get_attr`` of ``gm`` at an alias in ``gm``'s instance dict
     (``_lamina_c_<i>``: the same tensor, found by Python's plain attribute lookup instead of one
@@ -70,10 +80,7 @@ def flatten_constants(gm: fx.GraphModule) -> int:
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target.startswith("_lamina_c_"):
             continue
-        obj: Any = gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
-        if isinstance(obj, torch.Tensor):
+        if (obj := constant(gm, node)) is not None:
             name = f"_lamina_c_{n}"
             gm.__dict__[name] = obj
             node.target = name

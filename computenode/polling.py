@@ -13,11 +13,12 @@ Landing makes no CUDA call. Some CUDA calls the host makes while a wait is pendi
 that wait ends (measured on an H100: an H2D copy from pageable memory on the waiting stream, a
 mapped host allocation, the first launch of a kernel whose module is not loaded; a synchronize
 of the waiting stream, by definition); the thread that would move the flag would then never
-get there, and the wait would run into its timeout. So everything that allocates happens before the first wait:
-flags, streams and staging for every slot (``slots`` micro-batches of up to ``max_tokens``
-tokens) are made at the first :meth:`Polling.prelaunch`. One staging buffer per slot is enough:
-layer k's results cannot arrive before layer k's q was read back to the host, which needs the
-slice that consumed layer k-1's staged output (a data dependency, not a timing one).
+get there, and the wait would run into its timeout. So everything that allocates happens
+before the first wait: flags, streams and staging for every slot (``slots`` micro-batches of
+up to ``max_tokens`` tokens) are made at the first :meth:`Polling.prelaunch`. One staging
+buffer per slot is enough: layer k's results cannot arrive before layer k's q was read back to
+the host, which needs the slice that consumed layer k-1's staged output (a data dependency,
+not a timing one).
 
 Lazy module loading (CUDA's default since 12.2) is such a call: the first launch of a kernel
 loads its module, which can synchronize the context, so a slice launched behind a wait would
@@ -106,16 +107,18 @@ class Polling:
         tokens = max(self.max_tokens, like.shape[0])
         for slot in range(self.slots):
             self.flags[slot] = DeviceFlag(self.index)
-            if slot not in self.streams:  # else slice 0 already ran on it
-                self.streams[slot] = torch.cuda.Stream(self.device)
+            self._stream(slot)  # slice 0 may already have run on it
             self.staging[slot] = torch.empty(tokens * row, dtype=torch.uint8, pin_memory=True)
             self.counts[slot] = 0
 
-    def stream(self, slot: int):
-        """Context in which a micro-batch's GPU work is enqueued."""
+    def _stream(self, slot: int) -> torch.cuda.Stream:
         if slot not in self.streams:  # before the first prelaunch: nothing is waiting yet
             self.streams[slot] = torch.cuda.Stream(self.device)
-        return torch.cuda.stream(self.streams[slot])
+        return self.streams[slot]
+
+    def stream(self, slot: int):
+        """Context in which a micro-batch's GPU work is enqueued."""
+        return torch.cuda.stream(self._stream(slot))
 
     def _staged(self, slot: int, like: torch.Tensor) -> torch.Tensor:
         """``slot``'s staging bytes viewed as a tensor shaped like ``like``."""

@@ -70,7 +70,7 @@ def _read(folder: Path) -> SplitModel | None:
     level = serde.level
     serde.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():  # torch 2.11 reads weights from a read-only buffer
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable",
                                     category=UserWarning)
             return SplitModel.load(folder)
