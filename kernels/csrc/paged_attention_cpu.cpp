@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -37,8 +38,6 @@ namespace {
 
 constexpr int kBlock = 32;         // keys per online-softmax block
 constexpr int kMaxTile = 32;     // query vectors per tile (a tile holds at least one GQA group)
-constexpr int kScoreKeys = 4;        // keys per step of the scores loop (all heads)
-constexpr int kAccumulateKeys = 8;   // keys per step of the p @ V loop (all heads)
 constexpr int kGroup = 4;        // query vectors per register group in the inner kernels
 constexpr int64_t kSplitMin = 256;  // fewest keys in one KV split
 constexpr int64_t kRowBytes = 2048;  // most bytes of a token row (per pool) one item reads
@@ -106,10 +105,10 @@ inline float exp_sum(float* s, float mx, float* p, int n) {
 // Measured on Zen 4, one thread, 16-token slabs in random order: rows fetched whole (all KV
 // heads of a token: contiguous bytes) with prefetcht1 stream at ~22 GB/s against ~15 GB/s
 // without software prefetch, ~10-12 GB/s reading one head's part of each row. On Zen 3 (AVX2),
-// batch 32 x 1024 float32: 6.4 GB/s with these prefetches, 4.4 without. Issuing a whole
-// block's prefetches at once stalls on the miss queue and leaves memory idle during the
-// arithmetic, so the next block's cache lines are spread evenly over the inner-kernel calls
-// ("steps") of this block.
+// batch 32 x 1024 float32: ~1.7x faster with these prefetches than without. Issuing many
+// prefetches at once stalls on the miss queue and leaves memory idle during the arithmetic, so
+// the next block's cache lines are handed out evenly over this block's inner-kernel calls, and
+// each call issues its share one line per inner iteration (PrefetchSpan).
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // asm volatile: GCC drops __builtin_prefetch calls from inlined helpers it deems pure.
@@ -130,39 +129,53 @@ inline std::vector<int64_t> row_lines(int64_t h0, int64_t nh, int64_t stride, in
   return lines;
 }
 
+struct PrefetchSpan {
+  const char* const* p;
+  int n;
+  inline void one(int& i) const { if (i < n) prefetch_line(p[i++]); }
+  inline void rest(int i) const { for (; i < n; ++i) prefetch_line(p[i]); }
+};
+
 class Prefetcher {
  public:
   Prefetcher(const int64_t* klines, int nk, const int64_t* vlines, int nv)
       : kl_(klines), vl_(vlines), nk_(nk), nv_(nv) {}
-  // Starts on the next block (token bases k[0:n], v[0:n]), paced over `steps` calls of step();
-  // the unit of work is one token's K row or V row.
+  // Starts on the next block (token bases k[0:n], v[0:n]): lists its cache lines (each token's
+  // K row, then its V row), to be handed out over `steps` calls of take().
   void start(const void* const* k, const void* const* v, int n, int64_t steps) {
     flush();
-    k_ = k, v_ = v, units_ = 2 * n, next_ = 0, done_ = 0;
+    if (lines_.size() < size_t(n) * (nk_ + nv_)) lines_.resize(size_t(kBlock) * (nk_ + nv_));
+    const char** out = lines_.data();
+    for (int t = 0; t < n; ++t) {
+      const char* kb = static_cast<const char*>(k[t]);
+      for (int i = 0; i < nk_; ++i) *out++ = kb + kl_[i];
+      const char* vb = static_cast<const char*>(v[t]);
+      for (int i = 0; i < nv_; ++i) *out++ = vb + vl_[i];
+    }
+    units_ = static_cast<int>(out - lines_.data()), next_ = 0, done_ = 0;
     steps_ = std::max<int64_t>(1, steps);
   }
-  // Issues this step's share of the block's prefetches (called between inner-kernel calls: a
-  // counter in the inner loops would be a store-to-load chain through memory on every key).
-  void step() {
+  // This step's share of the lines, for an inner kernel to issue one per iteration (a counter
+  // in a register, not a store-to-load chain through this object on every key).
+  PrefetchSpan take() {
     ++done_;
-    issue(static_cast<int>(units_ * std::min(done_, steps_) / steps_) - next_);
+    const int end = static_cast<int>(units_ * std::min(done_, steps_) / steps_);
+    PrefetchSpan sp{lines_.data() + next_, end - next_};
+    next_ = end;
+    return sp;
   }
+  // Issues whatever of the block is left (before starting the next, or all at once).
   void flush() { issue(units_ - next_); }
 
  private:
   inline void issue(int units) {
-    for (const int end = std::min(units_, next_ + units); next_ < end; ++next_) {
-      const bool v = next_ & 1;
-      const char* base = static_cast<const char*>(v ? v_[next_ >> 1] : k_[next_ >> 1]);
-      const int64_t* lines = v ? vl_ : kl_;
-      for (int i = 0, n = v ? nv_ : nk_; i < n; ++i) prefetch_line(base + lines[i]);
-    }
+    for (const int end = std::min(units_, next_ + units); next_ < end; ++next_)
+      prefetch_line(lines_[next_]);
   }
+  std::vector<const char*> lines_;
   const int64_t* kl_;
   const int64_t* vl_;
   int nk_, nv_;
-  const void* const* k_ = nullptr;
-  const void* const* v_ = nullptr;
   int units_ = 0, next_ = 0;
   int64_t steps_ = 1, done_ = 0;
 };
@@ -176,7 +189,8 @@ class Prefetcher {
 struct Generic {
   template <int MG, typename KT>
   static void scores(const float* q, int64_t D, const KT* const* rows, int64_t off, int nb,
-                     float* s) {
+                     float* s, PrefetchSpan pf) {
+    pf.rest(0);
     for (int j = 0; j < nb; ++j) {
       const KT* k = rows[j] + off;
       for (int m = 0; m < MG; ++m) {
@@ -190,7 +204,8 @@ struct Generic {
   }
   template <int MG, typename KT>
   static void accumulate(float* o, int64_t D, const KT* const* rows, int64_t off, int nb,
-                         const float* p) {
+                         const float* p, PrefetchSpan pf) {
+    pf.rest(0);
     for (int j = 0; j < nb; ++j) {
       const KT* v = rows[j] + off;
       for (int m = 0; m < MG; ++m) {
@@ -209,21 +224,51 @@ template <int NC>
 struct Simd {
   static constexpr int kKeys = Vec::W / kGroup;  // keys per step of scores (AVX-512 4, AVX2 2)
 
-  // Scores of MG <= kGroup queries against kKeys keys at a time: MG * kKeys accumulators,
-  // summed across lanes by one transposing reduction (W dot products per reduction instead of
-  // a horizontal sum each).
+  // Scores of MG queries against the W keys rows[0:W], one query at a time: W accumulators
+  // (independent FMA chains over the D chunks, K read from memory operands), then one
+  // transposing reduction leaves the W scores in one vector, stored whole at s[m * kBlock].
+  // Measured on Zen 3 (AVX2) with the one-query-at-a-time accumulate below: the kernel's
+  // arithmetic (KV in L2) ~1.25x faster than 2 keys x MG queries per reduction. float32 rows
+  // only: bfloat16 ones would be converted once per query instead of once per chunk (the
+  // kKeys path below measured ~1.1x faster for them).
+  template <int MG, typename KT>
+  static void scores_wide(const float* q, int64_t D, const KT* const* rows, int64_t off,
+                          float* s, PrefetchSpan pf, int& pi) {
+    const int nc = NC > 0 ? NC : static_cast<int>(D / Vec::W);
+    const KT* k[Vec::W];
+    for (int t = 0; t < Vec::W; ++t) k[t] = rows[t] + off;
+    for (int m = 0; m < MG; ++m) {
+      Vec::R acc[Vec::W];
+      for (int t = 0; t < Vec::W; ++t) acc[t] = Vec::zero();
+      for (int c = 0; c < nc; ++c) {
+        pf.one(pi);
+        const Vec::R qc = Vec::load(q + m * D + Vec::W * c);
+        for (int t = 0; t < Vec::W; ++t)
+          acc[t] = Vec::fmadd(qc, Vec::load(k[t] + Vec::W * c), acc[t]);
+      }
+      Vec::store(s + m * kBlock, Vec::reduce(acc));
+    }
+  }
+
+  // Scores of MG <= kGroup queries against keys rows[0:nb]: W keys at a time (scores_wide),
+  // then kKeys at a time: MG * kKeys accumulators summed across lanes by one transposing
+  // reduction, then one by one. Issues pf one line per inner iteration.
   template <int MG, typename KT>
   static void scores(const float* q, int64_t D, const KT* const* rows, int64_t off, int nb,
-                     float* s) {
+                     float* s, PrefetchSpan pf) {
+    int pi = 0;
     static_assert(MG <= kGroup, "MG * kKeys accumulators must fit in one reduction");
     const int nc = NC > 0 ? NC : static_cast<int>(D / Vec::W);
     int j = 0;
+    if constexpr (std::is_same_v<KT, float>)  // bfloat16 rows are converted once per chunk below
+      for (; j + Vec::W <= nb; j += Vec::W) scores_wide<MG>(q, D, rows + j, off, s + j, pf, pi);
     for (; j + kKeys <= nb; j += kKeys) {
       const KT* k[kKeys];
       for (int t = 0; t < kKeys; ++t) k[t] = rows[j + t] + off;
       Vec::R acc[Vec::W];
       for (int i = 0; i < Vec::W; ++i) acc[i] = Vec::zero();
       for (int c = 0; c < nc; ++c) {
+        pf.one(pi);
         Vec::R kc[kKeys];
         for (int t = 0; t < kKeys; ++t) kc[t] = Vec::load(k[t] + Vec::W * c);
         for (int m = 0; m < MG; ++m) {
@@ -248,10 +293,13 @@ struct Simd {
       }
       for (int m = 0; m < MG; ++m) s[m * kBlock + j] = Vec::hsum(acc[m]);
     }
+    pf.rest(pi);
   }
-  // o[m] += sum_j p[m][j] * v_j, CB W-wide chunks of every query at a time (key-major inside a
-  // pass: MG * CB independent accumulators in half the registers, each V row read once per
-  // pass).
+  // o[m] += sum_j p[m][j] * v_j. float32 rows, D in 3/4 of the registers (NC chunks): one query at
+  // a time over the whole head dim, NC independent accumulators, one broadcast per key, the V
+  // rows re-read from L1 per query. Otherwise CB W-wide chunks of every query at a time
+  // (key-major inside a pass: MG * CB accumulators in half the registers, each V row read once
+  // per pass). Issues pf one line per key.
   static constexpr int chunks_per_pass(int mg) {
     int cb = NC > 0 ? NC : 1;
     while (cb > 1 && (mg * cb > Vec::kRegs / 2 || NC % cb)) --cb;
@@ -259,7 +307,25 @@ struct Simd {
   }
   template <int MG, typename KT>
   static void accumulate(float* o, int64_t D, const KT* const* rows, int64_t off, int nb,
-                         const float* p) {
+                         const float* p, PrefetchSpan pf) {
+    int pi = 0;
+    if constexpr (std::is_same_v<KT, float> && NC > 0 && NC <= Vec::kRegs * 3 / 4) {
+      const KT* v[kBlock];  // nb <= kBlock
+      for (int j = 0; j < nb; ++j) v[j] = rows[j] + off;
+      for (int m = 0; m < MG; ++m) {
+        Vec::R acc[NC];
+        for (int c = 0; c < NC; ++c) acc[c] = Vec::load(o + m * D + Vec::W * c);
+        for (int j = 0; j < nb; ++j) {
+          pf.one(pi);
+          const Vec::R pj = Vec::set1(p[m * kBlock + j]);
+          for (int c = 0; c < NC; ++c)
+            acc[c] = Vec::fmadd(pj, Vec::load(v[j] + Vec::W * c), acc[c]);
+        }
+        for (int c = 0; c < NC; ++c) Vec::store(o + m * D + Vec::W * c, acc[c]);
+      }
+      pf.rest(pi);
+      return;
+    }
     constexpr int CB = chunks_per_pass(MG);
     const int nc = NC > 0 ? NC : static_cast<int>(D / Vec::W);
     for (int c0 = 0; c0 < nc; c0 += CB) {
@@ -267,6 +333,7 @@ struct Simd {
       for (int m = 0; m < MG; ++m)
         for (int c = 0; c < CB; ++c) acc[m][c] = Vec::load(o + m * D + Vec::W * (c0 + c));
       for (int j = 0; j < nb; ++j) {
+        pf.one(pi);
         const KT* v = rows[j] + off + Vec::W * c0;
         Vec::R pj[MG];
         for (int m = 0; m < MG; ++m) pj[m] = Vec::set1(p[m * kBlock + j]);
@@ -278,6 +345,7 @@ struct Simd {
       for (int m = 0; m < MG; ++m)
         for (int c = 0; c < CB; ++c) Vec::store(o + m * D + Vec::W * (c0 + c), acc[m][c]);
     }
+    pf.rest(pi);
   }
 };
 #endif
@@ -285,30 +353,30 @@ struct Simd {
 // Kernel::scores / accumulate over M query vectors in register groups of up to kGroup.
 template <class Kernel, typename KT>
 void scores_all(const float* q, int M, int64_t D, const KT* const* rows, int64_t off, int nb,
-                float* s) {
-  for (int m = 0; m < M; m += kGroup) {
+                float* s, PrefetchSpan pf) {
+  for (int m = 0; m < M; m += kGroup, pf.n = 0) {
     const float* qm = q + m * D;
     float* sm = s + m * kBlock;
     switch (std::min(kGroup, M - m)) {
-      case 4: Kernel::template scores<4>(qm, D, rows, off, nb, sm); break;
-      case 3: Kernel::template scores<3>(qm, D, rows, off, nb, sm); break;
-      case 2: Kernel::template scores<2>(qm, D, rows, off, nb, sm); break;
-      default: Kernel::template scores<1>(qm, D, rows, off, nb, sm);
+      case 4: Kernel::template scores<4>(qm, D, rows, off, nb, sm, pf); break;
+      case 3: Kernel::template scores<3>(qm, D, rows, off, nb, sm, pf); break;
+      case 2: Kernel::template scores<2>(qm, D, rows, off, nb, sm, pf); break;
+      default: Kernel::template scores<1>(qm, D, rows, off, nb, sm, pf);
     }
   }
 }
 
 template <class Kernel, typename KT>
 void accumulate_all(float* o, int M, int64_t D, const KT* const* rows, int64_t off, int nb,
-                    const float* p) {
-  for (int m = 0; m < M; m += kGroup) {
+                    const float* p, PrefetchSpan pf) {
+  for (int m = 0; m < M; m += kGroup, pf.n = 0) {
     float* om = o + m * D;
     const float* pm = p + m * kBlock;
     switch (std::min(kGroup, M - m)) {
-      case 4: Kernel::template accumulate<4>(om, D, rows, off, nb, pm); break;
-      case 3: Kernel::template accumulate<3>(om, D, rows, off, nb, pm); break;
-      case 2: Kernel::template accumulate<2>(om, D, rows, off, nb, pm); break;
-      default: Kernel::template accumulate<1>(om, D, rows, off, nb, pm);
+      case 4: Kernel::template accumulate<4>(om, D, rows, off, nb, pm, pf); break;
+      case 3: Kernel::template accumulate<3>(om, D, rows, off, nb, pm, pf); break;
+      case 2: Kernel::template accumulate<2>(om, D, rows, off, nb, pm, pf); break;
+      default: Kernel::template accumulate<1>(om, D, rows, off, nb, pm, pf);
     }
   }
 }
@@ -450,34 +518,25 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
     const int64_t jn = j + kBlock;
     const int nn = jn < it.j1 ? static_cast<int>(std::min<int64_t>(kBlock, it.j1 - jn)) : 0;
     if (nn && !rows(jn, nn, buf ^ 1)) return false;
-    // One prefetch step per inner-kernel call below: per head, each scores and accumulate call.
-    const int64_t steps = it.nh * ((nb + kScoreKeys - 1) / kScoreKeys +
-                                   (nb + kAccumulateKeys - 1) / kAccumulateKeys);
+    // The next block's lines go out over this block's 2 * nh inner-kernel calls, one line per
+    // inner iteration: spread thin, so the miss buffers stay busy while the arithmetic runs
+    // (on Zen 3, batch 32 x 1024 float32, one thread: this kernel with each call's share issued
+    // at once before the call ran 0.88x the previous kernel; spread, 1.28x).
     pf.start(reinterpret_cast<const void* const*>(krow[buf ^ 1]),
-             reinterpret_cast<const void* const*>(vrow[buf ^ 1]), nn, steps);
+             reinterpret_cast<const void* const*>(vrow[buf ^ 1]), nn, 2 * it.nh);
     const bool masked = j < all_lo || j + nb > all_hi;
-    // Token-major over the block (a few keys at a time, all heads), so K and then V rows are
-    // read in order, whole: measured ~25% faster than a pass per head over the block.
     const int mh = static_cast<int>(per_head);
-    for (int j4 = 0; j4 < nb; j4 += kScoreKeys) {
-      const int n = std::min(kScoreKeys, nb - j4);
-      for (int64_t h = 0; h < it.nh; ++h) {
-        const int64_t m0 = h * per_head;
-        pf.step();
-        scores_all<Kernel>(sc.q.data() + m0 * D, mh, D, krow[buf] + j4, (it.h0 + h) * a.ks1, n,
-                           sc.s.data() + m0 * kBlock + j4);
-      }
+    for (int64_t h = 0; h < it.nh; ++h) {
+      const int64_t m0 = h * per_head;
+      scores_all<Kernel>(sc.q.data() + m0 * D, mh, D, krow[buf], (it.h0 + h) * a.ks1, nb,
+                         sc.s.data() + m0 * kBlock, pf.take());
     }
     for (int m = 0; m < M; ++m)
       softmax_update(a, sc, m, j, nb, masked, sc.s.data() + m * kBlock, sc.p.data() + m * kBlock);
-    for (int j8 = 0; j8 < nb; j8 += kAccumulateKeys) {
-      const int n = std::min(kAccumulateKeys, nb - j8);
-      for (int64_t h = 0; h < it.nh; ++h) {
-        const int64_t m0 = h * per_head;
-        pf.step();
-        accumulate_all<Kernel>(sc.o.data() + m0 * D, mh, D, vrow[buf] + j8, (it.h0 + h) * a.vs1,
-                               n, sc.p.data() + m0 * kBlock + j8);
-      }
+    for (int64_t h = 0; h < it.nh; ++h) {
+      const int64_t m0 = h * per_head;
+      accumulate_all<Kernel>(sc.o.data() + m0 * D, mh, D, vrow[buf], (it.h0 + h) * a.vs1, nb,
+                             sc.p.data() + m0 * kBlock, pf.take());
     }
   }
   return true;
