@@ -139,12 +139,11 @@ struct PrefetchSpan {
 class Prefetcher {
  public:
   Prefetcher(const int64_t* klines, int nk, const int64_t* vlines, int nv)
-      : kl_(klines), vl_(vlines), nk_(nk), nv_(nv) {}
-  // Starts on the next block (token bases k[0:n], v[0:n]): lists its cache lines (each token's
-  // K row, then its V row), to be handed out over `steps` calls of take().
+      : lines_(size_t(kBlock) * (nk + nv)), kl_(klines), vl_(vlines), nk_(nk), nv_(nv) {}
+  // Starts on the next block (token bases k[0:n], v[0:n], n <= kBlock): lists its cache lines
+  // (each token's K row, then its V row), to be handed out over `steps` calls of take().
   void start(const void* const* k, const void* const* v, int n, int64_t steps) {
     flush();
-    if (lines_.size() < size_t(n) * (nk_ + nv_)) lines_.resize(size_t(kBlock) * (nk_ + nv_));
     const char** out = lines_.data();
     for (int t = 0; t < n; ++t) {
       const char* kb = static_cast<const char*>(k[t]);
