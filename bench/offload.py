@@ -33,6 +33,10 @@ records its own spans, clipped to the decode window): compute ``dense`` (slices 
 memory nodes, engine scheduling, Python); memory ``attention`` (ATTEND kernels) and ``idle``.
 In-process (``homogeneous``) the node attends inside the replica's send, so that setup's
 compute ``transfer`` includes its attention.
+The summary also gives lamina's *no-wait ceiling*: the homogeneous ms per step over what
+lamina's busiest compute role is busy per step (dense + transfer), i.e. the ratio lamina would
+reach if no compute role ever waited on a memory node; with the breakdown it names the stage
+that bounds the ratio.
 The lamina run's timeline is saved as ``offload_<dtype>.trace.json`` (open in
 ui.perfetto.dev; not committed: large).
 
@@ -178,6 +182,26 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def no_wait_ceiling(lamina: dict, homogeneous: dict, steps: int) -> float | None:
+    """Homogeneous ms per step over what lamina's busiest compute role is busy per step (dense
+    + transfer): lamina / homogeneous if no compute role ever waited on a memory node."""
+    busy = max((r.get("dense", 0.0) + r.get("transfer", 0.0) for r in lamina["roles"]
+                if r["role"].startswith("compute")), default=0.0) * 1e3 / steps
+    return homogeneous["ms_per_step"] / busy if busy > 0 else None
+
+
 def _f(x, nd=2) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -247,6 +271,8 @@ def main() -> None:
                 s["lamina_over_homogeneous_rounds"] = [  # same-round ratios
                     a / b for a, b in zip(by[(dtype, "lamina")]["rounds_tok_per_s"],
                                           ref["rounds_tok_per_s"])]
+                s["lamina_no_wait_ceiling"] = no_wait_ceiling(by[(dtype, "lamina")], ref,
+                                                              args.new_tokens)
             if (dtype, "hf") in by:
                 s["lamina_over_hf"] = lam / by[(dtype, "hf")]["tok_per_s"]
         summary.append(s)
@@ -256,16 +282,20 @@ def main() -> None:
              "tokens/s = requests x steps / decode window (from every request's first token to "
              "the last; prefill excluded). Targets: lamina/homogeneous >= 1.35, lamina/hf >= 1.2 "
              f"(not asserted). {args.rounds} round(s), setups interleaved; each setup's median "
-             "round is shown; `rounds` gives lamina / homogeneous within each round.", "",
+             "round is shown; `rounds` gives lamina / homogeneous within each round; "
+             "`no-wait ceiling`: homogeneous ms per step over lamina's compute dense + transfer "
+             "per step (the busiest compute role), what lamina / homogeneous would be if it "
+             f"never waited. CPU: {cpu_name()}.", "",
              "| dtype | homogeneous tok/s | lamina tok/s | hf tok/s | lamina / homog. | "
-             "lamina / hf | rounds | greedy agree lamina | greedy agree hf |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "lamina / hf | rounds | no-wait ceiling | greedy agree lamina | greedy agree hf |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for s in summary:
         lines.append(
             f"| {s['dtype']} | {_f(s.get('homogeneous_tok_per_s'), 1)} | "
             f"{_f(s.get('lamina_tok_per_s'), 1)} | {_f(s.get('hf_tok_per_s'), 1)} | "
             f"{_f(s.get('lamina_over_homogeneous'))}x | {_f(s.get('lamina_over_hf'))}x | "
             f"{' '.join(_f(x) for x in s.get('lamina_over_homogeneous_rounds', [])) or '-'} | "
+            f"{_f(s.get('lamina_no_wait_ceiling'))}x | "
             f"{_f(s.get('agree_lamina_vs_homogeneous'), 3)} | "
             f"{_f(s.get('agree_hf_vs_homogeneous'), 3)} |")
     lines += ["", "Per-stage breakdown of the decode window per role, ms per decode step "
@@ -285,7 +315,7 @@ def main() -> None:
     meta = {"model": args.model, "requests": len(prompts), "prompt_lens": lens,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "rounds": args.rounds,
             "quick": args.quick,
-            "hf_threads": args.hf_threads, "torch": torch.__version__,
+            "hf_threads": args.hf_threads, "torch": torch.__version__, "cpu": cpu_name(),
             "threads": torch.get_num_threads(), "machine": platform.machine(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     name = "offload_cpu_quick" if args.quick else "offload_cpu"
