@@ -68,6 +68,7 @@ if str(ROOT) not in sys.path:
 
 from lamina import LLM, SamplingParams  # noqa: E402  (before torch: OpenMP wait policy)
 from lamina.benchmark.steps import HFStepper  # noqa: E402
+from lamina.costmodel.calibration import cpu_name  # noqa: E402
 from lamina.models import load_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -180,18 +181,6 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
         same += sum(p == q for p, q in zip(x[:k], y[:k]))
         total += max(len(x), len(y))
     return same / max(total, 1)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def no_wait_ceiling(lamina: dict, homogeneous: dict, steps: int) -> float | None:

@@ -164,13 +164,12 @@ class Prefetcher {
     return sp;
   }
   // Issues whatever of the block is left (before starting the next, or all at once).
-  void flush() { issue(units_ - next_); }
+  void flush() {
+    PrefetchSpan{lines_.data() + next_, units_ - next_}.rest(0);
+    next_ = units_;
+  }
 
  private:
-  inline void issue(int units) {
-    for (const int end = std::min(units_, next_ + units); next_ < end; ++next_)
-      prefetch_line(lines_[next_]);
-  }
   std::vector<const char*> lines_;
   const int64_t* kl_;
   const int64_t* vl_;
