@@ -11,7 +11,8 @@ peak. Two paths, best first:
   partial sums) and reads each weight once per call. One thread, one pass over SmolLM2's
   weights (``bench/linear.py``): 2-4x ``F.linear`` at 1-16 rows on the AVX-512 machine of
   earlier runs; 1.9x / 2.1x / 1.6x at 1 / 8 / 16 rows on an AVX2 Zen 3. Float32 and bfloat16
-  weights (bfloat16 panels are half the bytes, widened in registers). Used when the C++
+  weights (bfloat16 panels are half the bytes: run by AMX tiles where the CPU has AMX-BF16 and
+  the OS grants the tile state, else widened in registers). Used when the C++
   extension is available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy
   doubles the weights' memory on the replica.
 * **``W @ x^T``**: with few rows MKL's float32 GEMM is faster with the weight as the tall left
@@ -36,10 +37,13 @@ from lamina.kernels.dispatch import requested
 
 SKINNY_ROWS = 64
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# bfloat16 layers above this many rows: oneDNN's bfloat16 dot products beat the packed
-# kernel's float32 math (measured on SmolLM2's weights: 1 row 26 vs 54 ms per pass, 16 rows
-# 71 vs 75, 32 rows 117 vs 95)
+# bfloat16 layers above this many rows go to oneDNN: with the packed kernel widening bfloat16
+# in registers it beats oneDNN up to 16 rows (Xeon, SmolLM2's weights, one pass: 16 rows 46 vs
+# 44 ms, 32 rows 75 vs 50); with AMX tiles up to 32 (32 rows 35-49 vs 50-59, 64 rows 59-75
+# vs 63-64). Set by use_skinny_linear from the packed layout.
 BF16_PACKED_ROWS = 16
+BF16_PACKED_ROWS_AMX = 32
+_bf16_rows = BF16_PACKED_ROWS
 _ext = None  # the C++ extension, once use_skinny_linear has packed a weight (saves a lookup)
 
 
@@ -60,7 +64,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out.view(*shape[:-1], weight.shape[0])
     if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0 or (
             x.dtype != torch.float32 and (panels is None or x.dtype != weight.dtype
-                                          or rows > BF16_PACKED_ROWS)):
+                                          or rows > _bf16_rows)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, shape[-1])
     if panels is not None:  # float32 math; bfloat16 in and out when the layer is bfloat16
@@ -98,15 +102,20 @@ def _arenas(ext, weights: list[torch.Tensor | None]) -> dict:
     every packed weight of the list back to back, and the next free element: a slice streams
     its weights every step, and with 4 KB pages each page costs a TLB miss and a restart of the
     hardware prefetcher (one pass over packed SmolLM2 weights at 8 rows: ~6 % faster). The
-    panel layout, ``[ceil(N / rows), ceil(K / lanes), rows, lanes]``, is read off an empty
-    packed weight."""
-    _, _, rows, lanes = ext.pack_linear_weight(torch.empty(1, 0)).shape  # the ISA's layout
+    sizes come from packing an empty ``[1, K]`` weight of each dtype and K (the layout,
+    ``[ceil(N / rows), steps(K), rows, lanes]``, depends on the instruction set and dtype)."""
     sizes: dict[torch.dtype, int] = {}
     for w in weights:
         if w is not None:
             n, k = w.shape
-            sizes[w.dtype] = sizes.get(w.dtype, 0) + -(-n // rows) * rows * -(-k // lanes) * lanes
+            _, steps, rows, lanes = ext.pack_linear_weight(torch.empty(1, k, dtype=w.dtype)).shape
+            sizes[w.dtype] = sizes.get(w.dtype, 0) + -(-n // rows) * rows * steps * lanes
     return {dt: (huge_page_zeros((n,), dt), 0) for dt, n in sizes.items()}
+
+
+def amx_layout(ext) -> bool:
+    """Whether ``ext`` packs bfloat16 weights for its AMX kernel (pairs of k per step)."""
+    return ext.pack_linear_weight(torch.empty(1, 0, dtype=torch.bfloat16)).shape[-1] == 2
 
 
 def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
@@ -116,11 +125,13 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
     ``_lamina_panels_<i>`` of ``gm``: a view of one huge-page allocation per dtype), unless
     twice the packed bytes exceed the host's available memory (then ``gm`` keeps the unpacked
     paths). Returns how many nodes were changed."""
-    global _ext
+    global _ext, _bf16_rows
     if pack is None:
         pack = packing_available()
     ext = cpp_ext.load() if pack else None
     _ext = ext or _ext
+    if ext is not None:
+        _bf16_rows = BF16_PACKED_ROWS_AMX if amx_layout(ext) else BF16_PACKED_ROWS
     nodes = [node for node in gm.graph.nodes if node.op == "call_function"
              and node.target is torch.ops.aten.linear.default]
     weights = [constant(gm, node.args[1]) for node in nodes]

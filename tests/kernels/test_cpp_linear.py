@@ -29,20 +29,38 @@ def test_float32_weights_match_linear(m, n, k, bias):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 8, 17])
-def test_bfloat16_panels_widen_exactly(m):
-    x, w, b = _case(m, 96, 64, True)
+def _amx() -> bool:
+    """Whether bfloat16 weights are packed for the AMX kernel here (pairs of k per step)."""
+    return cpp_ext.load().pack_linear_weight(torch.empty(1, 0, dtype=torch.bfloat16)).shape[-1] == 2
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(96, 64), (33, 577), (64, 1536), (40, 1)])
+def test_bfloat16_panels_match_linear(m, n, k):
+    """Widening: exact products of x and the bfloat16 weights. AMX: x is rounded to bfloat16
+    first (nearest even), then the same exact products; float32 sums either way."""
+    x, w, b = _case(m, n, k, True)
     wb = w.bfloat16()
     ext = cpp_ext.load()
-    got = ext.skinny_linear(x, ext.pack_linear_weight(wb), 96, b)
-    torch.testing.assert_close(got.double(), F.linear(x.double(), wb.double(), b.double()),
+    got = ext.skinny_linear(x, ext.pack_linear_weight(wb), n, b)
+    xw = x.bfloat16() if _amx() else x
+    torch.testing.assert_close(got.double(), F.linear(xw.double(), wb.double(), b.double()),
                                rtol=1e-5, atol=1e-4)
 
 
-def test_threads_split_panels_alike():
+def test_only_bfloat16_takes_the_amx_layout():
+    ext = cpp_ext.load()
+    if _amx():  # K = 33: 17 pairs, padded to a whole tile of 16 pairs -> 32
+        assert "amx-bf16" in ext.simd_features()
+        assert ext.pack_linear_weight(torch.empty(40, 33, dtype=torch.bfloat16)).shape == (2, 32, 32, 2)
+    assert ext.pack_linear_weight(torch.empty(1, 0)).shape[-1] in (1, 8)  # float32: never pairs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_split_panels_alike(dtype):
     x, w, _ = _case(8, 1000, 64, False)
     ext = cpp_ext.load()
-    p = ext.pack_linear_weight(w)
+    p = ext.pack_linear_weight(w.to(dtype))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
