@@ -13,6 +13,9 @@ Prints GB/s of weights streamed and GFLOP/s, saves bench/results/linear_cpu.{jso
 
     python bench/linear.py                 # 1 thread, M = 1 2 4 8 16 32 64
     python bench/linear.py --threads 2 --rows 8 16
+    python bench/linear.py --dtype bfloat16  # bfloat16 weights (and F.linear's x); the C++
+                                             # kernel takes float32 x, as the replica gives it;
+                                             # saves linear_cpu_bfloat16.{json,md}
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5, help="best of this many passes")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the weights' dtype")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -59,9 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     if ext is None:
         raise SystemExit(f"the C++ kernels are unavailable: {cpp_ext.build_error()}")
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) / k ** 0.5 for n, k in SHAPES]
+    dtype = getattr(torch, args.dtype)
+    weights = [(torch.randn(n, k, generator=g) / k ** 0.5).to(dtype) for n, k in SHAPES]
     packed = [ext.pack_linear_weight(w) for w in weights]
-    nbytes = sum(w.numel() * 4 for w in weights)
+    nbytes = sum(w.nbytes for w in weights)
     flat = torch.randn(nbytes // 4, generator=g)
     copy_s = _time(lambda: flat.sum(), args.reps)
     rows = []
@@ -71,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{'cpp GFLOP/s':>12} {'cpp/F.linear':>13}")
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (HIDDEN, INTER)}
-        t = {"linear": _time(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], args.reps),
-             "wxt": _time(lambda: [torch.mm(w, xs[w.shape[1]].t()) for w in weights], args.reps),
+        xd = {k: x.to(dtype) for k, x in xs.items()}  # F.linear's x: the weights' dtype
+        t = {"linear": _time(lambda: [F.linear(xd[w.shape[1]], w) for w in weights], args.reps),
+             "wxt": _time(lambda: [torch.mm(w, xd[w.shape[1]].t()) for w in weights], args.reps),
              "cpp": _time(lambda: [ext.skinny_linear(xs[w.shape[1]], p, w.shape[0], None)
                                    for w, p in zip(weights, packed)], args.reps)}
         flops = sum(2 * m * n * k for n, k in SHAPES)
@@ -83,11 +90,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{m:3d} {row['linear_ms']:12.1f} {row['wxt_ms']:9.1f} {row['cpp_ms']:7.1f} "
               f"{row['cpp_gb_s']:9.1f} {row['cpp_gflop_s']:12.0f} {row['speedup_vs_linear']:12.2f}x",
               flush=True)
-    meta = {"threads": args.threads, "weights_mb": nbytes / 1e6, "copy_gb_s": nbytes / copy_s / 1e9,
+    meta = {"threads": args.threads, "dtype": args.dtype, "weights_mb": nbytes / 1e6, "copy_gb_s": nbytes / copy_s / 1e9,
             "simd": ext.simd_features(), "torch": torch.__version__,
             "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    lines = [f"# Decode-sized linear layers (SmolLM2 weights, {nbytes / 1e6:.0f} MB per pass, "
-             f"{args.threads} thread(s))", "",
+    lines = [f"# Decode-sized linear layers (SmolLM2 weights in {args.dtype}, {nbytes / 1e6:.0f} "
+             f"MB per pass, {args.threads} thread(s))", "",
+             f"Kernels compiled for: {meta['simd']}.", "",
              f"Sequential read of the same bytes: {meta['copy_gb_s']:.1f} GB/s. Best of "
              f"{args.reps} passes.", "",
              "| rows | F.linear ms | W @ x^T ms | cpp ms | cpp GB/s | cpp GFLOP/s | cpp vs F.linear |",
@@ -96,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['cpp_gb_s']:.1f} | {r['cpp_gflop_s']:.0f} | {r['speedup_vs_linear']:.2f}x |"
               for r in rows]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "linear_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (args.out / "linear_cpu.md").write_text("\n".join(lines) + "\n")
+    stem = "linear_cpu" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
