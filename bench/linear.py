@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{m:3d} {row['linear_ms']:12.1f} {row['wxt_ms']:9.1f} {row['cpp_ms']:7.1f} "
               f"{row['cpp_gb_s']:9.1f} {row['cpp_gflop_s']:12.0f} {row['speedup_vs_linear']:12.2f}x",
               flush=True)
-    meta = {"threads": args.threads, "dtype": args.dtype, "weights_mb": nbytes / 1e6, "copy_gb_s": nbytes / copy_s / 1e9,
+    meta = {"threads": args.threads, "dtype": args.dtype, "weights_mb": nbytes / 1e6,
+            "copy_gb_s": nbytes / copy_s / 1e9,
             "simd": ext.simd_features(), "torch": torch.__version__,
             "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     lines = [f"# Decode-sized linear layers (SmolLM2 weights in {args.dtype}, {nbytes / 1e6:.0f} "

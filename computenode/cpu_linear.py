@@ -37,10 +37,10 @@ from lamina.kernels.dispatch import requested
 
 SKINNY_ROWS = 64
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# bfloat16 layers above this many rows go to oneDNN: with the packed kernel widening bfloat16
-# in registers it beats oneDNN up to 16 rows (Xeon, SmolLM2's weights, one pass: 16 rows 46 vs
-# 44 ms, 32 rows 75 vs 50); with AMX tiles up to 32 (32 rows 35-49 vs 50-59, 64 rows 59-75
-# vs 63-64). Set by use_skinny_linear from the packed layout.
+# bfloat16 layers above this many rows go to oneDNN. Widening bfloat16 in registers, the packed
+# kernel is ahead up to 8 rows and about even at 16 (Xeon, SmolLM2's weights, one pass: 46 vs
+# 44 ms; 32 rows 75 vs 50); with AMX tiles it is ahead up to 32 (35-49 vs 50-59 ms; 64 rows
+# 59-75 vs 63-64). use_skinny_linear sets the limit from the packed layout.
 BF16_PACKED_ROWS = 16
 BF16_PACKED_ROWS_AMX = 32
 _bf16_rows = BF16_PACKED_ROWS

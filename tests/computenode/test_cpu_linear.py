@@ -72,6 +72,33 @@ def test_packed_weights_take_the_cpp_kernel(monkeypatch):
         torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_slices_pack_in_their_layout_and_row_limit():
+    """A bfloat16 model's weights are packed in the bfloat16 layout (AMX pairs where the kernel
+    has them), each in its own place in the arena, and the row limit follows the layout."""
+    from lamina.computenode import cpu_linear
+    from lamina.splitter import split_model
+    if not cpu_linear.packing_available():
+        pytest.skip("C++ kernels not built")
+    model = tiny_model("llama").to(torch.bfloat16)
+    sm = split_model(model)
+    ids, pos = torch.tensor([[5, 9, 33, 2]]), torch.arange(4)[None]
+    before = sm.run_slice(0, {"input_ids": ids, "position_ids": pos})
+    assert sum(use_skinny_linear(gm) for gm in sm.slices) > 0
+    ext = cpu_linear.cpp_ext.load()
+    amx = cpu_linear.amx_layout(ext)
+    assert cpu_linear._bf16_rows == (cpu_linear.BF16_PACKED_ROWS_AMX if amx
+                                     else cpu_linear.BF16_PACKED_ROWS)
+    panels = [b for gm in sm.slices for name, b in gm.named_buffers()
+              if name.startswith("_lamina_panels_")]
+    assert panels and all(p.dtype == torch.bfloat16 and p.shape[-1] == (2 if amx else p.shape[-1])
+                          for p in panels)
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.nbytes) for p in panels)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # no overlap
+    after = sm.run_slice(0, {"input_ids": ids, "position_ids": pos})
+    for k, v in before.items():  # bfloat16 rounding (AMX also rounds x to bfloat16)
+        torch.testing.assert_close(after[k].float(), v.float(), rtol=5e-2, atol=5e-2)
+
+
 def test_torch_kernels_pack_nothing(monkeypatch):
     from lamina.computenode import cpu_linear
     from lamina.splitter import split_model
