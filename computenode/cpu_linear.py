@@ -55,26 +55,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rounded to bfloat16, as ``F.linear`` rounds its float32 accumulators)."""
     shape = x.shape
     rows = x.numel() // max(shape[-1], 1)
-    if panels is not None and x.dtype == torch.float32 and 0 < rows <= SKINNY_ROWS and (
-            bias is None or bias.dtype == torch.float32):
-        # the decode case, once per layer per slice: as few Python-level calls as possible
-        # (panels exist only for CPU weights, so x is on the CPU too)
+    if panels is not None and rows > 0 and (
+            rows <= SKINNY_ROWS if x.dtype == torch.float32
+            else x.dtype == weight.dtype and rows <= _bf16_rows) and (
+            bias is None or bias.dtype in PACKED_DTYPES):
+        # the decode case, once per layer per slice: one call, dtypes converted in C++ (panels
+        # exist only for CPU weights, so x is on the CPU too)
         out = (_ext or cpp_ext.load()).skinny_linear(x.reshape(rows, shape[-1]), panels,
                                                      weight.shape[0], bias)
         return out.view(*shape[:-1], weight.shape[0])
-    if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0 or (
-            x.dtype != torch.float32 and (panels is None or x.dtype != weight.dtype
-                                          or rows > _bf16_rows)):
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < rows <= SKINNY_ROWS:
         return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, shape[-1])
-    if panels is not None:  # float32 math; bfloat16 in and out when the layer is bfloat16
-        out = (_ext or cpp_ext.load()).skinny_linear(
-            x2.float(), panels, weight.shape[0], None if bias is None else bias.float())
-        out = out.to(x.dtype)
-    else:
-        out = torch.mm(weight, x2.t()).t()
-        if bias is not None:
-            out = out + bias
+    out = torch.mm(weight, x.reshape(rows, shape[-1]).t()).t()
+    if bias is not None:
+        out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
 
 

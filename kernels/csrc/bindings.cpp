@@ -37,5 +37,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight,
         "pack_linear_weight(w[N,K] float32|bfloat16) -> panels[ceil(N/NR), steps(K), NR, L] (AVX2: NR 6, L 8; bfloat16 with AMX: NR 32, L 2, steps a multiple of 16; else NR 32, L 1; steps = ceil(K/L) unless noted)", nogil);
   m.def("skinny_linear", &skinny_linear,
-        "skinny_linear(x[M,K] float32, panels, N, bias[N]|None) -> y[M,N] float32", nogil);
+        "skinny_linear(x[M,K] float32|bfloat16, panels, N, bias[N]|None) -> y[M,N] in x's dtype (float32 math)", nogil);
 }

@@ -24,7 +24,8 @@
 //   next panel while it computes this one (spread over the blocks' steps), so the weight stream
 //   overlaps the arithmetic instead of alternating with it.
 //
-// skinny_linear(x[M,K] float32, panels, N, bias?) -> y[M,N] float32 (x must have the packed
+// skinny_linear(x[M,K], panels, N, bias?) -> y[M,N] in x's dtype, float32 or bfloat16 (the
+// math is float32 either way; a bfloat16 result is rounded once at the end; x must have the packed
 // weight's K; the AVX2 layout only records ceil(K / 8), so it cannot tell K from K rounded up
 // to 8, where the weight's padding is zeros); threads split the panels
 // (at::parallel_for). float32 or bfloat16 panels (bfloat16: half the bytes, widened to float32
@@ -398,23 +399,25 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "skinny_linear: x must be a float32 CPU matrix [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
+                               x.scalar_type() == at::kBFloat16) && x.device().is_cpu(),
+              "skinny_linear: x must be a float32 or bfloat16 CPU matrix [M, K]");
   TORCH_CHECK(panels.is_contiguous(),
               "skinny_linear: panels must come from pack_linear_weight");
   TORCH_CHECK(panels_match(panels, x.size(1)), "skinny_linear: x has ", x.size(1),
               " columns, which the packed weight ", panels.sizes(), " does not have");
   TORCH_CHECK(N > (panels.size(0) - 1) * kNR && N <= panels.size(0) * kNR,
               "skinny_linear: N does not match the packed weight");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  if (x.size(0) == 0) return y;
+  const at::Tensor xc = x.to(at::kFloat).contiguous();  // float32 math whatever x is
+  at::Tensor y = at::empty({x.size(0), N}, xc.options());
+  if (x.size(0) == 0) return y.to(x.scalar_type());
   const float* bp = nullptr;
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == at::kFloat,
-                "skinny_linear: bias must be float32 [N]");
-    bc = bias->contiguous();
+    TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat ||
+                                       bias->scalar_type() == at::kBFloat16),
+                "skinny_linear: bias must be float32 or bfloat16 [N]");
+    bc = bias->to(at::kFloat).contiguous();
     bp = bc.data_ptr<float>();
   }
   switch (panels.scalar_type()) {
@@ -430,5 +433,5 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
       break;
     default: TORCH_CHECK(false, "skinny_linear: packed weight must be float32 or bfloat16");
   }
-  return y;
+  return y.to(x.scalar_type());  // a bfloat16 x: rounded once, as F.linear rounds its sums
 }

@@ -56,6 +56,18 @@ def test_only_bfloat16_takes_the_amx_layout():
     assert ext.pack_linear_weight(torch.empty(1, 0)).shape[-1] in (1, 8)  # float32: never pairs
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_x_gives_bfloat16_rounded_once(wdtype):
+    """A bfloat16 x (and bias) is computed in float32 and its result rounded once at the end."""
+    x, w, b = _case(5, 96, 64, True)
+    ext = cpp_ext.load()
+    p = ext.pack_linear_weight(w.to(wdtype))
+    xb, bb = x.bfloat16(), b.bfloat16()
+    got = ext.skinny_linear(xb, p, 96, bb)
+    want = ext.skinny_linear(xb.float(), p, 96, bb.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_threads_split_panels_alike(dtype):
     x, w, _ = _case(8, 1000, 64, False)
