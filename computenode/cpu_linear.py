@@ -99,10 +99,13 @@ def _arenas(ext, weights: list[torch.Tensor | None]) -> dict:
     sizes come from packing an empty ``[1, K]`` weight of each dtype and K (the layout,
     ``[ceil(N / rows), steps(K), rows, lanes]``, depends on the instruction set and dtype)."""
     sizes: dict[torch.dtype, int] = {}
+    layouts: dict[tuple[torch.dtype, int], torch.Size] = {}  # (dtype, K) -> an empty pack's shape
     for w in weights:
         if w is not None:
             n, k = w.shape
-            _, steps, rows, lanes = ext.pack_linear_weight(torch.empty(1, k, dtype=w.dtype)).shape
+            if (w.dtype, k) not in layouts:
+                layouts[w.dtype, k] = ext.pack_linear_weight(torch.empty(1, k, dtype=w.dtype)).shape
+            _, steps, rows, lanes = layouts[w.dtype, k]
             sizes[w.dtype] = sizes.get(w.dtype, 0) + -(-n // rows) * rows * steps * lanes
     return {dt: (huge_page_zeros((n,), dt), 0) for dt, n in sizes.items()}
 

@@ -26,8 +26,8 @@
 //
 // skinny_linear(x[M,K], panels, N, bias?) -> y[M,N] in x's dtype, float32 or bfloat16 (the
 // math is float32 either way; a bfloat16 result is rounded once at the end; x must have the packed
-// weight's K; the AVX2 layout only records ceil(K / 8), so it cannot tell K from K rounded up
-// to 8, where the weight's padding is zeros); threads split the panels
+// weight's K; the AVX2 layout only records ceil(K / 8) and the AMX one ceil(K / 32), so they
+// cannot tell K from K rounded up, where the weight's padding is zeros); threads split the panels
 // (at::parallel_for). float32 or bfloat16 panels (bfloat16: half the bytes, widened to float32
 // exactly in registers). Accumulation is float32; the order of the additions differs from
 // MKL/oneDNN (and between the two shapes), so results differ by float rounding only.
@@ -232,13 +232,20 @@ void configure_tiles(int mr) {  // C0, C1, A: mr rows of 64 bytes; B0, B1: 16 ro
   _tile_loadconfig(&c);
 }
 
-// x[M, K] float32 -> bfloat16 pairs [M, KG] (round to nearest even, exact for a bfloat16 model's
-// activations; zeros past K): pair g of row m holds x[m, 2g] low and x[m, 2g + 1] high.
-std::vector<uint32_t> to_pairs(const float* x, int64_t M, int64_t K, int64_t KG) {
-  std::vector<uint32_t> out(M * KG);
+// x[M, K] (contiguous) -> bfloat16 pairs [M, KG] (zeros past K): pair g of row m holds
+// x[m, 2g] low and x[m, 2g + 1] high. A bfloat16 x is copied as it is; a float32 one is rounded
+// to nearest even (exact for a bfloat16 model's activations).
+std::vector<uint32_t> to_pairs(const at::Tensor& x, int64_t KG) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<uint32_t> out(M * KG);  // zeros
   auto* dst = reinterpret_cast<uint16_t*>(out.data());
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    for (int64_t m = 0; m < M; ++m) std::copy(src + m * K, src + (m + 1) * K, dst + m * KG * 2);
+    return out;
+  }
   for (int64_t m = 0; m < M; ++m) {
-    const float* src = x + m * K;
+    const float* src = x.data_ptr<float>() + m * K;
     uint16_t* d = dst + m * KG * 2;
     int64_t k = 0;
 #if defined(__AVX512BF16__)
@@ -251,10 +258,11 @@ std::vector<uint32_t> to_pairs(const float* x, int64_t M, int64_t K, int64_t KG)
   return out;
 }
 
+// x: float32 or bfloat16, contiguous (a bfloat16 x goes straight into the pairs).
 void run_amx(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bias,
              at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), KG = panels.size(1);
-  const std::vector<uint32_t> xp = to_pairs(x.data_ptr<float>(), M, K, KG);
+  const int64_t M = x.size(0), P = panels.size(0), KG = panels.size(1);
+  const std::vector<uint32_t> xp = to_pairs(x, KG);
   const c10::BFloat16* pp = panels.data_ptr<c10::BFloat16>();
   float* yp = y.data_ptr<float>();
   const int64_t nblocks = (M + kAmxRows - 1) / kAmxRows;
@@ -408,8 +416,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
               " columns, which the packed weight ", panels.sizes(), " does not have");
   TORCH_CHECK(N > (panels.size(0) - 1) * kNR && N <= panels.size(0) * kNR,
               "skinny_linear: N does not match the packed weight");
-  const at::Tensor xc = x.to(at::kFloat).contiguous();  // float32 math whatever x is
-  at::Tensor y = at::empty({x.size(0), N}, xc.options());
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));  // float32 math
   if (x.size(0) == 0) return y.to(x.scalar_type());
   const float* bp = nullptr;
   at::Tensor bc;
@@ -421,15 +428,15 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
     bp = bc.data_ptr<float>();
   }
   switch (panels.scalar_type()) {
-    case at::kFloat: run<float>(xc, panels, N, bp, y); break;
+    case at::kFloat: run<float>(x.to(at::kFloat).contiguous(), panels, N, bp, y); break;
     case at::kBFloat16:
 #ifdef LAMINA_AMX
       if (panels.size(3) == kPairLanes) {  // packed for AMX (panels_match checked the layout)
-        run_amx(xc, panels, N, bp, y);
+        run_amx(x.contiguous(), panels, N, bp, y);
         break;
       }
 #endif
-      run<c10::BFloat16>(xc, panels, N, bp, y);
+      run<c10::BFloat16>(x.to(at::kFloat).contiguous(), panels, N, bp, y);
       break;
     default: TORCH_CHECK(false, "skinny_linear: packed weight must be float32 or bfloat16");
   }

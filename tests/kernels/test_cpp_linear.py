@@ -52,7 +52,8 @@ def test_only_bfloat16_takes_the_amx_layout():
     ext = cpp_ext.load()
     if _amx():  # K = 33: 17 pairs, padded to a whole tile of 16 pairs -> 32
         assert "amx-bf16" in ext.simd_features()
-        assert ext.pack_linear_weight(torch.empty(40, 33, dtype=torch.bfloat16)).shape == (2, 32, 32, 2)
+        packed = ext.pack_linear_weight(torch.empty(40, 33, dtype=torch.bfloat16))
+        assert packed.shape == (2, 32, 32, 2)
     assert ext.pack_linear_weight(torch.empty(1, 0)).shape[-1] in (1, 8)  # float32: never pairs
 
 
