@@ -12,8 +12,8 @@ import subprocess
 import sys
 import threading
 
-import cloudpickle
 import pytest
+import ray.cloudpickle as cloudpickle  # the serializer Ray hands specs to actors with
 import torch
 
 from lamina.transport import ChannelClosed, Message, MsgKind, PeerDied, ShmChannel, shm_pair
