@@ -110,6 +110,24 @@ def exclusive(devices: list[Device]) -> list[bool]:
     return out
 
 
+@dataclass(frozen=True)
+class CallerState:
+    """What :func:`own_cores` changes in a process: its CPU affinity and torch's intra-op thread
+    count. An in-process deployment pins the process that created it; it saves this first and
+    :meth:`restore` puts it back when it closes, so its caller is left as it was found."""
+
+    cores: frozenset[int]
+    threads: int
+
+    @classmethod
+    def save(cls) -> "CallerState":
+        return cls(frozenset(os.sched_getaffinity(0)), torch.get_num_threads())
+
+    def restore(self) -> None:
+        os.sched_setaffinity(0, self.cores)
+        torch.set_num_threads(self.threads)
+
+
 def own_cores(cores: tuple[int, ...] | list[int] | None, threads: int | None = None) -> int:
     """Pin the calling process to ``cores`` and size torch's thread pool to them (or to
     ``threads``); returns the thread count. ``None``: no pinning, ``threads`` (default 1)."""

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from lamina.config import DeploymentConfig, deployment_config
 from lamina.deployment import Deployment, start_deployment
+from lamina.device import CallerState
 from lamina.engine.request import Request
 from lamina.errors import NoCapacity, NodeFailure
 from lamina.outputs import CompletionOutput, RequestOutput, StreamDelta, output_text, stable_text
@@ -72,15 +73,22 @@ class LLM:
         self.trace_path = trace
         self.timeline = Timeline() if trace else None
         self.deployment: Deployment | None = None
-        self.deployment = start_deployment(self.config, timeline=self.timeline)
+        self._caller = CallerState.save()  # in-process roles pin this process; close() undoes it
+        try:
+            self.deployment = start_deployment(self.config, timeline=self.timeline)
+        except BaseException:
+            self._caller.restore()
+            raise
         self.tokenizer = self.deployment.instances[0].engine.tokenizer
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every role of every instance (no orphan processes). Safe to call twice."""
+        """Stop every role of every instance (no orphan processes) and give the calling process
+        back its CPU affinity and torch thread count. Safe to call twice."""
         d, self.deployment = getattr(self, "deployment", None), None
         if d is not None:
             d.close()
+            self._caller.restore()
         if getattr(self, "timeline", None) is not None and self.timeline.spans:
             self.timeline.save(self.trace_path)
 

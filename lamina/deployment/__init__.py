@@ -23,12 +23,12 @@ def start_deployment(config: DeploymentConfig, info: ModelInfo | None = None, *,
     (a Ray actor under the ``ray`` placement). ``perf``: the greedy placement's performance
     model (default, when ``plan_every`` is set: measured now on the compute device). On any
     failure, whatever was started is stopped."""
-    if info is None:
-        progress("loading and splitting the model")
-        info = load_model_info(config)
-    launcher = launcher_for(config)
+    launcher = launcher_for(config)  # first: a role process re-running a script stops here
     instances: list[Instance] = []
     try:
+        if info is None:
+            progress("loading and splitting the model")
+            info = load_model_info(config)
         for i in range(config.instances):
             progress(f"starting instance {i}: {config.instance.compute} compute replica(s), "
                      f"{config.instance.memory} memory node(s)")

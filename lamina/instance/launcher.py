@@ -14,12 +14,19 @@ address when roles may land on other hosts.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from typing import Any, Callable, Protocol
 
 from lamina.omp import warn_if_spinning
 from lamina.proctitle import run_titled
 
 LOCAL = {"node_id": "local", "ip": "127.0.0.1"}  # where every role of one host runs
+
+# Exit status of a role process that found itself re-running its parent's script (see below).
+UNGUARDED_MAIN_EXIT = 86
+UNGUARDED_MAIN = ("role processes start by re-running your script's top level (Python's 'spawn' "
+                  "start method), which creates this LLM again: put the code that creates it "
+                  "under `if __name__ == \"__main__\":` (see the README's Python example)")
 
 
 class RoleHandle(Protocol):
@@ -53,6 +60,11 @@ class ProcessLauncher:
     here = LOCAL
 
     def __init__(self) -> None:
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # We are a role process that ``spawn`` is still bootstrapping: it is importing the
+            # parent's main module, whose top level starts roles again. multiprocessing would
+            # raise a riddle here; exit with a status the parent turns into UNGUARDED_MAIN.
+            os._exit(UNGUARDED_MAIN_EXIT)
         self.ctx = multiprocessing.get_context("spawn")
 
     def start(self, target: Callable[..., Any], args: tuple, name: str, *, role: str = "",

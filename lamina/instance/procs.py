@@ -38,7 +38,8 @@ from lamina.computenode.server import ReplicaConfig, serve_replica
 from lamina.engine.worker import WorkerClient, WorkerTimes
 from lamina.device import Device
 from lamina.errors import NodeFailure
-from lamina.instance.launcher import Launcher, RoleHandle, stop_role
+from lamina.instance.launcher import (UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT, Launcher, RoleHandle,
+                                     stop_role)
 from lamina.memnode.server import node_config, serve_node
 from lamina.timeline import Timeline
 from lamina.transport import codec
@@ -73,6 +74,8 @@ def start_roles(launcher: Launcher, target: Callable[..., Any], configs: list[di
                 ch.send(codec.ping())
                 codec.raise_if_error(ch.recv(START_TIMEOUT_S))
             except (PeerDied, ChannelClosed, TimeoutError) as e:
+                if getattr(handles[i], "exitcode", None) == UNGUARDED_MAIN_EXIT:
+                    raise RuntimeError(UNGUARDED_MAIN) from None
                 raise NodeFailure(f"{role} role {i} did not start: {e}") from e
     except BaseException:
         stop_roles(handles, channels)

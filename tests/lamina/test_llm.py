@@ -1,0 +1,77 @@
+"""``LLM`` as a caller meets it: it leaves the calling process as it found it (CPU affinity,
+torch threads), and a script that starts role processes without a main guard gets one sentence
+naming the fix."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lamina import LLM, SamplingParams
+from lamina.device import available_cores
+from lamina.instance.launcher import UNGUARDED_MAIN
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
+from tiny_models import tiny_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_folder("llama", tmp_path_factory.mktemp("llama"))
+
+
+def _caller() -> tuple[set[int], int]:
+    return set(os.sched_getaffinity(0)), torch.get_num_threads()
+
+
+@pytest.mark.skipif(len(available_cores()) < 2, reason="needs two cores to pin to")
+def test_an_in_process_llm_gives_its_caller_back_its_cores_and_threads(folder):
+    cores = available_cores()
+    before = _caller()
+    ids, greedy = [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(folder, device=f"cpu:{cores[0]}", memory_device=f"cpu:{cores[0]}",
+             kv_cache_tokens=64) as llm:
+        assert _caller() == ({cores[0]}, 1)  # the roles own the core while the LLM lives
+        first = llm.generate([ids], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert _caller() == before
+    # created again on another core, in the same process
+    with LLM(folder, device=f"cpu:{cores[1]}", memory_device=f"cpu:{cores[1]}",
+             kv_cache_tokens=64) as llm:
+        assert _caller() == ({cores[1]}, 1)
+        assert llm.generate([ids], greedy, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert _caller() == before
+
+
+@pytest.mark.skipif(len(available_cores()) < 2, reason="needs two cores to pin to")
+def test_a_failed_start_gives_the_caller_back_its_cores(folder, monkeypatch):
+    import lamina.instance as instance
+
+    def refuse(*a, **k):
+        raise RuntimeError("no memory node today")
+
+    before = _caller()
+    monkeypatch.setattr(instance, "MemoryNode", refuse)
+    core = available_cores()[0]
+    with pytest.raises(RuntimeError, match="no memory node today"):
+        LLM(folder, device=f"cpu:{core}", memory_device=f"cpu:{core}", kv_cache_tokens=64)
+    assert _caller() == before
+
+
+@pytest.mark.slow  # two Python processes import torch
+def test_a_script_without_a_main_guard_gets_one_sentence_naming_the_fix(folder, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from lamina import LLM, SamplingParams
+        llm = LLM({folder!r}, memory=1, placement="procs", kv_cache_tokens=64)
+        print("started")
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert r.returncode != 0 and "started" not in r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == f"RuntimeError: {UNGUARDED_MAIN}"
+    assert 'if __name__ == "__main__":' in last
+    assert "bootstrapping" not in r.stderr and "Traceback" in r.stderr  # no child's riddle
+    assert r.stderr.count("Traceback") == 1
