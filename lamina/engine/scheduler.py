@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lamina.engine.request import Request, ShardPlacement, Status
+from lamina.errors import ContextLengthExceeded
 
 
 @dataclass
@@ -119,6 +120,8 @@ class Scheduler:
         if limit is not None and n >= limit:
             raise ValueError(f"request {req.req_id}: prompt of {n} tokens exceeds the model's "
                              f"maximum length of {limit} tokens")
+        if limit is not None and n + req.params.max_tokens > limit:
+            raise ContextLengthExceeded(limit, n, req.params.max_tokens)
 
     def add(self, req: Request) -> None:
         self.check_admissible(req)

@@ -5,8 +5,9 @@ and non-streaming, with usage counts), ``/v1/models``, ``/health``, ``/metrics``
 Every error, including unknown routes, malformed bodies and internal errors, is OpenAI-style
 JSON ``{"error": {"message", "type", "param", "code"}}``; the server keeps serving.
 
-Limits: ``max_tokens`` is capped so prompt + output fit the model's context (a prompt that
-alone does not fit the context or the memory nodes' KV is a 400); when ``max_open`` requests
+Limits: a prompt that alone does not fit the context or the memory nodes' KV, or whose
+``max_tokens`` would take it past the context, is a 400 (``context_length_exceeded``, as vLLM
+answers); without ``max_tokens`` the default (16) is capped to what fits; when ``max_open`` requests
 are already open the answer is 429 with ``Retry-After``. A client that disconnects aborts its
 request (streaming or not) and its KV is freed.
 
@@ -30,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lamina.errors import NoCapacity
+from lamina.errors import ContextLengthExceeded, NoCapacity
 from lamina.server.async_engine import AsyncEngine, Overloaded
 from lamina.server.metrics import render_metrics
 from lamina.types import SamplingParams
@@ -160,8 +161,9 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
             raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    def fit_context(prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Cap max_tokens so prompt + output fit the context; 400 if the prompt alone does not."""
+    def fit_context(prompt_ids: list[int], params: SamplingParams, asked: bool) -> SamplingParams:
+        """400 if the prompt alone, or with the ``max_tokens`` the client ``asked`` for, exceeds
+        the context (as vLLM answers); the default ``max_tokens`` is capped to what fits."""
         if max_model_len is None:
             return params
         room = max_model_len - len(prompt_ids)
@@ -169,14 +171,20 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's maximum "
                                 f"context length is {max_model_len} tokens", param="prompt",
                            code="context_length_exceeded")
+        if asked and params.max_tokens > room:
+            raise APIError(400, str(ContextLengthExceeded(max_model_len, len(prompt_ids),
+                                                          params.max_tokens)),
+                           param="max_tokens", code="context_length_exceeded")
         return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
 
-    async def run(raw: Request, prompt_ids, params, stream: bool, include_usage: bool,
-                  make_chunk, make_final):
+    async def run(raw: Request, prompt_ids, params, asked: bool, stream: bool,
+                  include_usage: bool, make_chunk, make_final):
         rid = secrets.token_hex(12)
-        gen = engine.generate(prompt_ids, fit_context(prompt_ids, params))
+        gen = engine.generate(prompt_ids, fit_context(prompt_ids, params, asked))
         try:
             first = await gen.__anext__()  # surfaces ValueError before any byte is sent
+        except ContextLengthExceeded as e:  # the engine's own context (the server's may be None)
+            raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from e
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from e
         except Overloaded as e:
@@ -238,6 +246,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         params = params_of(req, req.max_tokens)
+        asked = req.max_tokens is not None
         p = req.prompt
         if isinstance(p, list) and p and not isinstance(p[0], int):
             if len(p) != 1:
@@ -262,11 +271,12 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
                                                       "finish_reason": reason}], "usage": usage}
 
         include = bool((req.stream_options or {}).get("include_usage"))
-        return await run(raw, prompt_ids, params, req.stream, include, chunk, final)
+        return await run(raw, prompt_ids, params, asked, req.stream, include, chunk, final)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, raw: Request):
-        params = params_of(req, req.max_completion_tokens or req.max_tokens)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params, asked = params_of(req, max_tokens), max_tokens is not None
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"model '{model_name}' has no chat template", param="messages")
         msgs = [{"role": m.role, "content": _content(m.content)} for m in req.messages]
@@ -291,7 +301,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
                                  "logprobs": None, "finish_reason": reason}], "usage": usage}
 
         include = bool((req.stream_options or {}).get("include_usage"))
-        return await run(raw, prompt_ids, params, req.stream, include, chunk, final)
+        return await run(raw, prompt_ids, params, asked, req.stream, include, chunk, final)
 
     return app
 

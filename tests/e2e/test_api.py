@@ -7,6 +7,7 @@ import psutil
 import pytest
 
 from lamina import LLM, SamplingParams
+from lamina.errors import ContextLengthExceeded
 
 from tiny_models import tiny_folder
 from live_children import live_children  # noqa: E402
@@ -38,6 +39,16 @@ def test_bad_requests_get_a_clear_value_error_and_the_rest_complete(llm):
     assert all(o.outputs[0].finish_reason == "error" for o in outs[1:4])
     no_tok = llm.generate(["text needs a tokenizer"], GREEDY, use_tqdm=False)[0]
     assert isinstance(no_tok.error, ValueError) and "no tokenizer" in str(no_tok.error)
+
+
+def test_max_tokens_past_the_context_is_refused_and_the_rest_complete(llm):
+    limit = llm.deployment.instances[0].scheduler.config.max_model_len
+    outs = llm.generate([[5, 6, 7], [5, 6, 7]], [SamplingParams(max_tokens=10**30), GREEDY],
+                        use_tqdm=False)
+    assert isinstance(outs[0].error, ContextLengthExceeded)
+    assert f"maximum context length is {limit} tokens" in str(outs[0].error)
+    assert "(3 in the prompt, " in str(outs[0].error)
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 6
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),

@@ -3,6 +3,7 @@ import pytest
 
 from lamina.engine.request import Request, Status
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
+from lamina.errors import ContextLengthExceeded
 from lamina.types import SamplingParams
 
 
@@ -57,6 +58,17 @@ def test_too_long_and_empty_prompts_are_rejected():
     with pytest.raises(ValueError, match="empty prompt"):
         s.add(Request(1, [], SamplingParams()))
     assert not s.has_work()
+
+
+def test_max_tokens_past_the_context_is_refused():
+    s = Scheduler([400], SchedulerConfig(max_model_len=100))
+    with pytest.raises(ContextLengthExceeded, match=r"maximum context length is 100 tokens, but "
+                       r"10\d{29} were requested \(8 in the prompt, 10\d{29} in max_tokens\)"):
+        s.add(req(0, 8, max_tokens=10**30))
+    with pytest.raises(ContextLengthExceeded, match=r"101 were requested"):
+        s.add(req(1, 8, max_tokens=93))
+    s.add(req(2, 8, max_tokens=92))  # exactly the context
+    assert len(s.waiting) == 1
 
 
 def test_preemption_recomputes_and_loses_nothing():

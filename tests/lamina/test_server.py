@@ -101,14 +101,35 @@ def test_every_error_is_openai_json(client, method, path, kwargs, status, needle
     _ok(client)
 
 
-def test_huge_max_tokens_is_capped_by_the_context(client):
+@pytest.mark.parametrize("max_tokens", [10**12, 10**30, 254])
+def test_max_tokens_past_the_context_is_a_400(client, max_tokens):
+    """As vLLM answers: naming the context length, the prompt's tokens and the request."""
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7],
-                                             "max_tokens": 10**12, "temperature": 0,
+                                             "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert "maximum context length is 256 tokens" in err["message"]
+    assert f"(3 in the prompt, {max_tokens} in max_tokens)" in err["message"]
+    _ok(client)
+
+
+def test_max_tokens_as_a_huge_float_is_a_400(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7],
+                                             "max_tokens": 1e30})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "max_tokens"
+    _ok(client)
+
+
+def test_max_tokens_that_fits_the_context_is_served(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7],
+                                             "max_tokens": 100, "temperature": 0,
                                              "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"]["total_tokens"] <= 128  # the 2 x 64 KV slots (the context is 256)
+    assert body["usage"]["total_tokens"] == 103
 
 
 def test_a_prompt_longer_than_the_context_is_a_400(client):
