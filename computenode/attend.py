@@ -11,58 +11,29 @@ the first while later ones are still arriving (communication-attention overlap, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from lamina.kernels import merge_states
-from lamina.types import AttendMsg, AttendResult, ShardWork
+from lamina.types import AttendMsg, AttendResult, NodeRoute
 
 
-@dataclass
-class NodeRoute:
-    """One node's share of a step: works for PREPARE, and the step rows it gets per layer."""
-
-    node: int
-    works: list[ShardWork]
-    q_rows: torch.Tensor  # int64 (CPU) rows of the step's flattened tokens, in works order
-    kv_rows: torch.Tensor  # int64 (CPU) rows whose k/v the node appends, in works order
-    span: tuple[int, int] | None = field(init=False, default=None)  # (a, b): both rows == a..b-1
-
-    def __post_init__(self) -> None:
-        n = self.q_rows.numel()
-        if n and n == self.kv_rows.numel():
-            a = int(self.q_rows[0])
-            run = torch.arange(a, a + n)
-            if torch.equal(self.q_rows, run) and torch.equal(self.kv_rows, run):
-                self.span = (a, a + n)
-
-    def rows(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
-        """This node's rows of step tensor ``t`` (``kv``: its appended rows): a view when the
-        rows are one run (:attr:`span`; ``t`` itself when that is all of ``t``), else a gather."""
-        if self.span == (0, t.shape[0]):
-            return t
-        if self.span is not None:
-            return t[self.span[0]:self.span[1]]
-        return t[self.kv_rows if kv else self.q_rows]
-
-    def split(self, parts: int) -> list[tuple[int, int]]:
-        """At most ``parts`` non-empty runs ``[a, b)`` of works covering them all, with about
-        the same number of query rows each."""
-        R = len(self.works)
-        if parts <= 1 or R <= 1:
-            return [(0, R)]
-        q = torch.tensor([w.num_q for w in self.works]).cumsum(0)
-        total = int(q[-1])
-        cuts = [0]
-        for p in range(1, parts):  # the work boundary nearest p/parts of the rows
-            target = p * total / parts
-            i = int(torch.searchsorted(q, torch.tensor(target, dtype=q.dtype).ceil()))
-            below = int(q[i - 1]) if i > 0 else 0
-            c = i if target - below <= int(q[i]) - target else i + 1
-            if cuts[-1] < c < R:
-                cuts.append(c)
-        return list(zip(cuts, cuts[1:] + [R]))
+def work_runs(route: NodeRoute, parts: int) -> list[tuple[int, int]]:
+    """At most ``parts`` non-empty runs ``[a, b)`` of ``route``'s works covering them all, with
+    about the same number of query rows each."""
+    R = len(route.works)
+    if parts <= 1 or R <= 1:
+        return [(0, R)]
+    q = torch.tensor([w.num_q for w in route.works]).cumsum(0)
+    total = int(q[-1])
+    cuts = [0]
+    for p in range(1, parts):  # the work boundary nearest p/parts of the rows
+        target = p * total / parts
+        i = int(torch.searchsorted(q, torch.tensor(target, dtype=q.dtype).ceil()))
+        below = int(q[i - 1]) if i > 0 else 0
+        c = i if target - below <= int(q[i]) - target else i + 1
+        if cuts[-1] < c < R:
+            cuts.append(c)
+    return list(zip(cuts, cuts[1:] + [R]))
 
 
 def attend_messages(step_id: int, layer: int, routes: list[NodeRoute], q: torch.Tensor,
@@ -72,7 +43,7 @@ def attend_messages(step_id: int, layer: int, routes: list[NodeRoute], q: torch.
     out = []
     for r in routes:
         qr, kr, vr = r.rows(q), r.rows(k, kv=True), r.rows(v, kv=True)
-        runs = r.split(parts)
+        runs = work_runs(r, parts)
         if len(runs) == 1:
             out.append([AttendMsg(step_id, layer, qr, kr, vr, reply_to)])
             continue

@@ -21,51 +21,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 
+from lamina.computenode.attend import attend_messages, join_results, merge_results
 from lamina.computenode.replica import ComputeReplica
-from lamina.transport.node_client import NodeClient
-from lamina.computenode.attend import NodeRoute, attend_messages, join_results, merge_results
-from lamina.computenode.schedule import SCHEDULES, replica_for
+from lamina.computenode.schedule import replica_for
+from lamina.config import PipelineConfig
 from lamina.splitter.slices import ATTN_OUT
 from lamina.timeline import Timeline
-from lamina.types import PrepareMsg, SamplingParams, StepPlan
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """``micro_batches`` in flight under ``schedule`` on ``replicas`` compute replicas; each
-    node gets its share of a layer as up to ``attn_parts`` mini-batches (1: one ATTEND)."""
-
-    schedule: str = "none"
-    micro_batches: int = 1
-    replicas: int = 1
-    attn_parts: int = 1
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline {self.schedule!r}; expected one of "
-                             f"{', '.join(SCHEDULES)}")
-        if self.micro_batches < 1 or self.replicas < 1 or self.attn_parts < 1:
-            raise ValueError("micro_batches, compute replicas and attn_parts must be >= 1")
-        if self.schedule == "none" and (self.micro_batches, self.replicas) != (1, 1):
-            raise ValueError("pipeline 'none' runs one micro-batch on one compute replica; use "
-                             "--pipeline fixed or rotational for more")
-        if self.micro_batches < self.replicas:
-            raise ValueError(f"{self.micro_batches} micro-batches cannot keep {self.replicas} "
-                             f"compute replicas busy: use at least as many micro-batches")
-
-
-def resolve_pipeline(pipeline: str | None, micro_batches: int | None,
-                     compute: int, attn_parts: int = 1) -> PipelineConfig:
-    """Defaults as in Lamina: more than one micro-batch or replica means rotational, with
-    ``n = N + 1`` micro-batches on ``N`` replicas (2 on one replica); ``fixed`` defaults to one
-    micro-batch per replica."""
-    if pipeline is None:
-        pipeline = "rotational" if (micro_batches or 1) > 1 or compute > 1 else "none"
-    if micro_batches is None:
-        micro_batches = {"none": 1, "fixed": compute}.get(pipeline, compute + 1)
-    return PipelineConfig(pipeline, micro_batches, compute, attn_parts)
+from lamina.transport.node_client import NodeClient
+from lamina.types import NodeRoute, PrepareMsg, SamplingParams, StepPlan
 
 
 @dataclass

@@ -3,7 +3,7 @@
 micro-batch j on replica ``j mod N``, ``none`` is one micro-batch on replica 0."""
 from __future__ import annotations
 
-SCHEDULES = ("none", "fixed", "rotational")
+from lamina.config import SCHEDULES
 
 
 def replica_for(schedule: str, micro_batch: int, slice_index: int, num_replicas: int) -> int:

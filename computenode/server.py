@@ -39,7 +39,7 @@ import torch
 from lamina.computenode.replica import ComputeReplica
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
-from lamina.computenode.attend import NodeRoute, attend_messages, join_results, merge_results
+from lamina.computenode.attend import attend_messages, join_results, merge_results
 from lamina.computenode.polling import Prelaunched, eager_module_loading, make_polling
 from lamina.computenode.schedule import replica_for
 from lamina.splitter.slices import ATTN_OUT
@@ -48,7 +48,7 @@ from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
 from lamina.transport.endpoint import Listening, connect, listen
 from lamina.transport.wire import Message, MsgKind
-from lamina.types import AttendResult, PrepareMsg, SamplingParams, StepPlan
+from lamina.types import AttendResult, NodeRoute, PrepareMsg, SamplingParams, StepPlan
 
 codec.register_error(NodeFailure)
 

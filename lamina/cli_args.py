@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 
 from lamina.config import (PLACEMENTS, POLLING, TRANSPORTS, CacheConfig, DeploymentConfig,
-                           InstanceConfig, ModelConfig, deployment_config)
-from lamina.engine.scheduler import SchedulerConfig
+                           InstanceConfig, ModelConfig, SchedulerConfig, deployment_config)
 
 _D, _C, _I, _S, _M = DeploymentConfig(), CacheConfig(), InstanceConfig(), SchedulerConfig(), ModelConfig()
 

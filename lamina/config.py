@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lamina.computenode.executor import PipelineConfig, resolve_pipeline
 from lamina.device import Device, default_cores, parse, split
-from lamina.engine.scheduler import SchedulerConfig
 
+SCHEDULES = ("none", "fixed", "rotational")  # pipelines (lamina.computenode.schedule)
 PLACEMENTS = ("inproc", "procs", "ray")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 POLLING = ("off", "cuda", "emulated")
@@ -44,6 +43,53 @@ class CacheConfig:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.slab_size < 1:
             raise ValueError(f"slab_size must be >= 1, got {self.slab_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: at most ``max_num_seqs`` requests running, ``max_num_batched_tokens``
+    tokens per step (the chunked-prefill budget); ``max_model_len``: the model's context (None:
+    the model's own, filled in when the model is loaded)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # chunked-prefill token budget per step
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """``micro_batches`` in flight under ``schedule`` on ``replicas`` compute replicas; each
+    node gets its share of a layer as up to ``attn_parts`` mini-batches (1: one ATTEND)."""
+
+    schedule: str = "none"
+    micro_batches: int = 1
+    replicas: int = 1
+    attn_parts: int = 1
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline {self.schedule!r}; expected one of "
+                             f"{', '.join(SCHEDULES)}")
+        if self.micro_batches < 1 or self.replicas < 1 or self.attn_parts < 1:
+            raise ValueError("micro_batches, compute replicas and attn_parts must be >= 1")
+        if self.schedule == "none" and (self.micro_batches, self.replicas) != (1, 1):
+            raise ValueError("pipeline 'none' runs one micro-batch on one compute replica; use "
+                             "--pipeline fixed or rotational for more")
+        if self.micro_batches < self.replicas:
+            raise ValueError(f"{self.micro_batches} micro-batches cannot keep {self.replicas} "
+                             f"compute replicas busy: use at least as many micro-batches")
+
+
+def resolve_pipeline(pipeline: str | None, micro_batches: int | None,
+                     compute: int, attn_parts: int = 1) -> PipelineConfig:
+    """Defaults as in Lamina: more than one micro-batch or replica means rotational, with
+    ``n = N + 1`` micro-batches on ``N`` replicas (2 on one replica); ``fixed`` defaults to one
+    micro-batch per replica."""
+    if pipeline is None:
+        pipeline = "rotational" if (micro_batches or 1) > 1 or compute > 1 else "none"
+    if micro_batches is None:
+        micro_batches = {"none": 1, "fixed": compute}.get(pipeline, compute + 1)
+    return PipelineConfig(pipeline, micro_batches, compute, attn_parts)
 
 
 @dataclass(frozen=True)
@@ -108,10 +154,9 @@ class InstanceConfig:
         if self.device_polling == "cuda" and self.cuda_graphs:
             raise ValueError("device_polling and cuda_graphs do not combine yet: micro-batches on "
                              "their own streams would share the graphs' static buffers")
-        if self.device_polling == "cuda":
-            from lamina.computenode.polling import unavailable
-            if (why := unavailable(device.torch)) is not None:
-                raise ValueError(why)
+        if self.device_polling == "cuda" and device.kind != "cuda":  # cupy: checked at start
+            raise ValueError(f"device-side polling needs a CUDA compute device; got "
+                             f"device={self.device!r}")
         parse(self.node_device)
 
     @property

@@ -96,6 +96,34 @@ class ShardWork:
 
 
 @dataclass
+class NodeRoute:
+    """One node's share of a step: works for PREPARE, and the step rows it gets per layer."""
+
+    node: int
+    works: list[ShardWork]
+    q_rows: torch.Tensor  # int64 (CPU) rows of the step's flattened tokens, in works order
+    kv_rows: torch.Tensor  # int64 (CPU) rows whose k/v the node appends, in works order
+    span: tuple[int, int] | None = field(init=False, default=None)  # (a, b): both rows == a..b-1
+
+    def __post_init__(self) -> None:
+        n = self.q_rows.numel()
+        if n and n == self.kv_rows.numel():
+            a = int(self.q_rows[0])
+            run = torch.arange(a, a + n)
+            if torch.equal(self.q_rows, run) and torch.equal(self.kv_rows, run):
+                self.span = (a, a + n)
+
+    def rows(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """This node's rows of step tensor ``t`` (``kv``: its appended rows): a view when the
+        rows are one run (:attr:`span`; ``t`` itself when that is all of ``t``), else a gather."""
+        if self.span == (0, t.shape[0]):
+            return t
+        if self.span is not None:
+            return t[self.span[0]:self.span[1]]
+        return t[self.kv_rows if kv else self.q_rows]
+
+
+@dataclass
 class PrepareMsg:
     """PREPARE: this node's part of step ``step_id``; rows of ATTEND follow ``works`` order."""
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -14,23 +14,13 @@ from lamina.splitter.export import export_program, unlift
 from lamina.splitter.graph import Partition, partition
 from lamina.splitter.reference import ReferenceKV
 from lamina.splitter.slices import ATTN_OUT, SliceInfo, build_slices
+from lamina.splitter.verify import VerifyResult, verify_split
 from lamina.types import AttentionSpec
 
 #: attend(layer, q[T,H,D], k[T,Hkv,D], v[T,Hkv,Dv]) -> o[T,H,Dv]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 #: run(k, args) -> slice k's outputs, computed some other way than ``slices[k](*args)``
 SliceRunner = Callable[[int, list], tuple]
-
-
-@dataclass
-class VerifyResult:
-    """Largest absolute logit difference against the original model, per phase."""
-
-    max_abs_diff: float
-    prompt_diff: float
-    continuation_diff: float
-    num_sequences: int
-    lengths: list[int] = field(default_factory=list)
 
 
 def specs_from_graph(gm: fx.GraphModule, part: Partition) -> list[AttentionSpec]:
@@ -120,7 +110,6 @@ class SplitModel:
         with the original model. Phase 1 feeds each sequence's first ``split`` fraction (whole
         prompts); phase 2 feeds the rest at continuation positions, attending over the KV cached in
         phase 1. Returns the largest absolute logit differences."""
-        from lamina.splitter.verify import verify_split
         return verify_split(self, seqs, split, seed)
 
     # -- persistence ---------------------------------------------------------------------------

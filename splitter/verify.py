@@ -5,10 +5,23 @@ Plain PyTorch modules follow the convention ``module(input_ids[1,T], position_id
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from lamina.splitter.errors import SplitError
 from lamina.splitter.reference import ReferenceKV
+
+
+@dataclass
+class VerifyResult:
+    """Largest absolute logit difference against the original model, per phase."""
+
+    max_abs_diff: float
+    prompt_diff: float
+    continuation_diff: float
+    num_sequences: int
+    lengths: list[int] = field(default_factory=list)
 
 
 def _vocab_size(model: torch.nn.Module) -> int:
@@ -51,9 +64,8 @@ def _run_phase(sm, kv: ReferenceKV, chunks: list[torch.Tensor], starts: list[int
         return sm.forward(ids, pos, rows, attend)
 
 
-def verify_split(sm, seqs: list[list[int]] | None, split: float, seed: int):
+def verify_split(sm, seqs: list[list[int]] | None, split: float, seed: int) -> VerifyResult:
     from lamina.splitter.export import is_hf_causal_lm
-    from lamina.splitter.model import VerifyResult
 
     model = sm.source
     if model is None:

@@ -19,7 +19,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from lamina.computenode.schedule import SCHEDULES, replica_for
+from lamina.computenode.schedule import replica_for
+from lamina.config import SCHEDULES
 
 @dataclass(frozen=True)
 class StageTimes:

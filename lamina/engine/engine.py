@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lamina.config import SchedulerConfig
 from lamina.engine.request import Request, Status
-from lamina.transport.node_client import NodeClient
-from lamina.computenode.attend import NodeRoute
-from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler, SchedulerConfig
-from lamina.types import SamplingParams, Segment, ShardWork, StepPlan
+from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler
 from lamina.engine.worker import WorkerClient
+from lamina.transport.node_client import NodeClient
+from lamina.types import NodeRoute, SamplingParams, Segment, ShardWork, StepPlan
 
 
 @dataclass
@@ -41,11 +41,14 @@ class StepOutput:
 class Engine:
     def __init__(self, worker: WorkerClient, capacities: list[int], config: SchedulerConfig,
                  eos_token_ids: set[int] | None = None, tokenizer=None,
-                 vocab_size: int | None = None, id_base: int = 0, lender: Lender | None = None):
-        """``id_base`` starts this engine's request and step ids, so engines whose pools lend
-        to each other never share an id on a memory node; ``lender`` (cluster borrowing)
-        supplies KV space beyond ``capacities``."""
+                 vocab_size: int | None = None, id_base: int = 0, lender: Lender | None = None,
+                 micro_batches: int = 1):
+        """``micro_batches``: slots in flight at once (the instance's pipeline config; the
+        worker must accept as many). ``id_base`` starts this engine's request and step ids, so
+        engines whose pools lend to each other never share an id on a memory node; ``lender``
+        (cluster borrowing) supplies KV space beyond ``capacities``."""
         self.worker = worker
+        self.micro_batches = micro_batches
         self.vocab_size = vocab_size
         self.scheduler = Scheduler(capacities, config, lender)
         self.eos = set(eos_token_ids or ())
@@ -139,7 +142,7 @@ class Engine:
         return [s.used_slots for s in self.worker.stats()], list(self.scheduler.capacity)
 
     def _fill(self, out: StepOutput) -> None:
-        n = self.worker.micro_batches
+        n = self.micro_batches
         cfg = self.scheduler.config
         for slot in range(n):
             if slot in self._in_flight:

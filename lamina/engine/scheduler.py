@@ -14,14 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lamina.engine.request import Request, ShardPlacement, Status
+from lamina.config import SchedulerConfig
 from lamina.errors import ContextLengthExceeded
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # chunked-prefill token budget per step
-    max_model_len: int | None = None
 
 
 @dataclass

@@ -4,8 +4,9 @@ An instance is one engine (scheduler) + ``C`` compute replicas + ``M`` memory no
 memory-node server and the compute-replica server are the same code under every placement; the
 placement only decides where each role runs and which channel connects them:
 
-* ``inproc``: both in the engine's process (``InProcessNode`` + the pipelined executor; local
-  calls, no copy; the replicas share the weights);
+* ``inproc``: both in the engine's process (``InProcessNode`` +
+  :class:`~lamina.instance.inproc.InProcessReplicas`; local calls, no copy; the replicas share
+  the weights);
 * ``procs``: each role an OS process on this host (:class:`~lamina.instance.launcher.ProcessLauncher`);
 * ``ray``: each role a Ray actor (:class:`~lamina.instance.ray_actors.RayLauncher`).
 
@@ -28,7 +29,7 @@ from lamina.computenode.server import ReplicaConfig
 from lamina.config import CacheConfig, DeploymentConfig
 from lamina.device import exclusive, own_cores, parse
 from lamina.engine.engine import Engine
-from lamina.engine.worker import LocalWorker, ReplicaWorker
+from lamina.instance.inproc import InProcessReplicas
 from lamina.instance.launcher import Launcher
 from lamina.memnode import KVPool, MemoryNode
 from lamina.models import eos_token_ids, load_model
@@ -161,10 +162,14 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
             for k, d in enumerate(node_devs)]
         sampler = Sampler()
         replicas = [ComputeReplica(info.split, d.torch, sampler, graph_tokens) for d in replica_devs]
-        worker = LocalWorker(ReplicaWorker(replicas, nodes, icfg.pipeline, timeline))
+        worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline)
         closers: list[Callable[[], None]] = []
     else:
         from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
+        if icfg.device_polling == "cuda":  # refused before any role starts
+            from lamina.computenode.polling import unavailable
+            if (why := unavailable(replica_devs[0].torch)) is not None:
+                raise ValueError(why)
         # a memory node alone on its cores polls its replicas' links instead of sleeping
         # (one instance per host only); a replica's receivers share its cores with its slices
         spin = (exclusive(replica_devs + node_devs) if config.instances == 1 and icfg.spin
@@ -192,7 +197,8 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         scheduler = type(scheduler)(scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
                                     info.max_model_len)
     engine = Engine(worker, [cap] * icfg.memory, scheduler, info.eos, info.tokenizer,
-                    info.vocab_size, id_base=inst_id * ID_STRIDE)
+                    info.vocab_size, id_base=inst_id * ID_STRIDE,
+                    micro_batches=icfg.pipeline.micro_batches)
     return Instance(inst_id, engine, nodes, closers, [cap] * icfg.memory)
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from lamina.computenode.executor import PipelineConfig
+from lamina.config import PipelineConfig
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.schedule import replica_for
 from lamina.computenode.server import ReplicaConfig, serve_replica
@@ -223,10 +223,6 @@ class RemoteReplicas(WorkerClient):
             self.inbox.put((i, e))
 
     # -- WorkerClient ----------------------------------------------------------------------------
-    def execute(self, plan: StepPlan, routes, req_ids, params) -> list[int]:
-        self.submit(plan.micro_batch, plan, routes, req_ids, params)
-        return self.wait()[0][1]
-
     def submit(self, slot: int, plan: StepPlan, routes, req_ids: list[int],
                params: list[SamplingParams]) -> None:
         if not 0 <= slot < self.micro_batches or slot in self.pending.values():

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import torch
 
-from lamina.computenode.attend import NodeRoute
+from lamina.types import NodeRoute
 from lamina.transport.wire import Message, MsgKind, WireError
 from lamina.types import SamplingParams, Segment, ShardWork, StepPlan
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from computenode import device_wait
+from lamina.computenode import device_wait
 
 
 def test_capability_check_names_what_is_missing():

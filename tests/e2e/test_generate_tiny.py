@@ -82,6 +82,6 @@ def test_cuda_graphs_keep_greedy_output_on_gpu(tiny, memory_device):
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
                                                         ignore_eos=True), use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == want, f"cuda_graphs={graphs}"
-            replicas = llm.deployment.instances[0].engine.worker.worker.replicas
+            replicas = llm.deployment.instances[0].engine.worker.replicas
             assert all((r.graphs is not None) == graphs for r in replicas)
             assert not graphs or all(r.graphs.replays > 0 for r in replicas)

@@ -3,9 +3,10 @@ import json
 
 import pytest
 
-from lamina.computenode.executor import PipelineConfig, resolve_pipeline
+from lamina.config import PipelineConfig, resolve_pipeline
 from lamina.engine.request import Request
-from lamina.engine.scheduler import Scheduler, SchedulerConfig
+from lamina.config import SchedulerConfig
+from lamina.engine.scheduler import Scheduler
 from lamina.timeline import Timeline
 from lamina.types import SamplingParams
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from lamina.computenode.attend import NodeRoute
+from lamina.types import NodeRoute
 from lamina.memnode import MemoryNode
 from lamina.memnode.server import NodeServer
 from lamina.transport import codec

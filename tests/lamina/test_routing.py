@@ -1,11 +1,11 @@
-"""NodeRoute.split, row runs, mini-batch ATTEND messages (communication-attention overlap) and
+"""work_runs (a route's works in balanced runs), row runs, mini-batch ATTEND messages (communication-attention overlap) and
 the merge of node results."""
 import pytest
 import torch
 
 from lamina.kernels import merge_states
-from lamina.computenode.attend import NodeRoute, attend_messages, join_results, merge_results
-from lamina.types import AttendResult, ShardWork
+from lamina.computenode.attend import attend_messages, join_results, merge_results, work_runs
+from lamina.types import AttendResult, NodeRoute, ShardWork
 
 
 def _route(num_q: list[int]) -> NodeRoute:
@@ -24,7 +24,7 @@ def _route(num_q: list[int]) -> NodeRoute:
     ([1, 1], 5, [(0, 1), (1, 2)]),  # never more runs than works
 ])
 def test_split_covers_every_work_once(num_q, parts, want):
-    runs = _route(num_q).split(parts)
+    runs = work_runs(_route(num_q), parts)
     assert runs == want
     assert runs[0][0] == 0 and runs[-1][1] == len(num_q)
     assert all(a < b for a, b in runs) and all(b == c for (_, b), (c, _) in zip(runs, runs[1:]))

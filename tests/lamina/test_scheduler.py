@@ -2,7 +2,8 @@
 import pytest
 
 from lamina.engine.request import Request, Status
-from lamina.engine.scheduler import Scheduler, SchedulerConfig
+from lamina.config import SchedulerConfig
+from lamina.engine.scheduler import Scheduler
 from lamina.errors import ContextLengthExceeded
 from lamina.types import SamplingParams
 
