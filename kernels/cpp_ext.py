@@ -12,7 +12,7 @@ queries; other inputs go to the torch path (:func:`lamina.kernels.torch_sparse.p
 Computation is float32. Threads: torch's intra-op pool (``torch.set_num_threads``).
 
 Build: :func:`load` compiles the sources on first use and caches them (~30 s once per CPU,
-toolchain and source version; see :mod:`lamina.kernels.build`). When the build fails
+toolchain and source version; see :mod:`lamina.build`). When the build fails
 :func:`load` emits one ``RuntimeWarning`` naming the cause and returns ``None``;
 :func:`build_error` keeps the cause, and the dispatcher uses the torch path.
 """
@@ -23,8 +23,8 @@ from types import ModuleType
 
 import torch
 
-from lamina.kernels.build import CFLAGS, Extension, cache_root, extra_cflags
-from lamina.kernels.build import compiler as _compiler
+from lamina.build import CFLAGS, Extension, cache_root, extra_cflags
+from lamina.build import compiler as _compiler
 from lamina.kernels.reference import check_shapes
 from lamina.types import AttentionSpec
 

@@ -24,7 +24,10 @@ order: data before the ``head`` that announces it (:mod:`lamina.transport.rdma`)
 spin, then a doorbell where the memory has one (shm: a FIFO), else a short sleep between polls.
 
 The C++ fast path (:mod:`lamina.transport.shm_fast`) encodes into and decodes out of the local
-copy by address; the channel then publishes what it wrote. Both paths write the same bytes.
+copy by address; the channel then publishes what it wrote. Both paths write the same bytes. Its
+calls answer with the named statuses of :mod:`~lamina.transport.shm_fast` (``SENT``, ``EMPTY``,
+...), and the channel dispatches on those: anything the fast path does not take (no room now, a
+message it is not built for, a message not whole yet or malformed) goes the Python way.
 """
 from __future__ import annotations
 
@@ -37,13 +40,13 @@ from typing import Any, Callable, Sequence
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
 from lamina.transport.ring_memory import (HEAD, R_CLOSED, R_WAIT, TAIL, W_CLOSED, W_WAIT, YIELD_EVERY,
                                           Bell, RingMemory, fence, wait_for)
+from lamina.transport.shm_fast import HELD, SENT, SENT_WAKE, STREAM, TAKEN, TAKEN_WAKE
 from lamina.transport.stream import StreamDecoder
 from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError, WireLimits,
                                    decode_kind, decode_meta, encode, encode_meta)
 
 _KINDS = frozenset(int(k) for k in MsgKind)
-_EMPTY = 0  # Reader.recv: nothing there (2: leave it to the decoder; else a message)
-_INELIGIBLE = -2  # Writer.send: leave it to the Python encoder (-1: no room now; 0/1: sent)
+_KIND_TYPES = (MsgKind, int)  # a kind of another type goes to the Python encoder (which refuses it)
 
 
 class RingChannel(Channel):
@@ -151,28 +154,27 @@ class RingChannel(Channel):
     # ------------------------------------------------------------------ data path
 
     def send(self, msg: Message) -> None:
-        writer = self._writer
+        writer, ring = self._writer, self._tx
         with self._tx_lock:
             if self._closed:
                 raise ChannelClosed("channel is closed")
-            if writer is not None and type(msg.kind) in (MsgKind, int):  # Writer checks the kind
+            status, head = None, 0  # None: the Python path
+            if writer is not None and type(msg.kind) in _KIND_TYPES:  # Writer checks the kind
                 meta = msg.meta
                 meta = b"" if type(meta) is dict and not meta else encode_meta(meta, self.limits)
-                mirrored = self._tx.mirrored
-                head = writer.head if mirrored else 0
-                try:  # a field out of range etc.: the slow path raises the WireError
-                    status = writer.send(int(msg.kind), msg.step_id, msg.layer, msg.reply_to,
-                                         meta, msg.tensors)
-                except (TypeError, RuntimeError):
-                    status = _INELIGIBLE
-                if status >= 0:  # written: 0, or 1 (the reader sleeps: ring its doorbell)
-                    if mirrored:  # the fast path wrote the local copy only
-                        self._tx.publish(head, writer.head)
-                        self._tx.store(HEAD, writer.head)
-                    if status:
-                        self._tx.data_bell.ring()
-                    return
-            self._check_send()  # raises when the peer closed (the fast path's -3)
+                head = writer.head if ring.mirrored else 0
+                status = writer.send(int(msg.kind), msg.step_id, msg.layer, msg.reply_to, meta,
+                                     msg.tensors)
+            if status == SENT or status == SENT_WAKE:
+                if ring.mirrored:  # the fast path wrote the local copy only
+                    ring.publish(head, writer.head)
+                    ring.store(HEAD, writer.head)
+                if status == SENT_WAKE:  # the reader sleeps
+                    ring.data_bell.ring()
+                return
+            # NO_ROOM: streamed below; INELIGIBLE: encoded (or refused with the precise
+            # WireError) below; PEER_CLOSED: _check_send raises
+            self._check_send()
             self._write(encode(msg, self.limits))
 
     def send_raw(self, buffers: Sequence[Buffer]) -> None:
@@ -226,57 +228,68 @@ class RingChannel(Channel):
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         with self._rx_lock:
             ring, reader = self._rx, self._reader
-            while True:
+            while reader is not None and not self._dec.in_progress:  # the fast path
                 if self._closed:
                     raise ChannelClosed("channel is closed")
-                if reader is not None and not self._dec.in_progress:
-                    # one call: spin (no GIL) up to the spin time or the next liveness check
-                    spin = self._spin_ns if deadline is None else min(
-                        self._spin_ns, max(0, int((deadline - time.monotonic()) * 1e9)))
-                    got = reader.recv(spin, self._yield_every)
-                    if type(got) is not int:  # a whole message, see Reader.recv
-                        if type(got) is tuple:
-                            if len(got) == 1:  # committed; the writer waits for space
-                                got, wake = got[0], True
-                            else:  # its meta must parse before its bytes go
-                                got = self._accept(*got)
-                                wake = reader.commit()
-                            if wake:
-                                ring.space_bell.ring()
-                        if ring.mirrored:
-                            ring.store(TAIL, reader.tail)
-                        return got
-                    if got == _EMPTY:  # the spin is spent: check the peer, then go on
-                        if self._forever:  # spinning, or
-                            self._check_rx()
-                            if deadline is not None and time.monotonic() >= deadline:
-                                raise TimeoutError(f"no message within {timeout} s")
-                        elif not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_end.tail,
-                                            1, self._check_rx, deadline, spin_s=0.0):
-                            raise TimeoutError(f"no message within {timeout} s")  # blocking
-                        continue
-                cap, ctl, data = ring.capacity, ring.ctl, ring.data
-                view = self._dec.buffer()  # raises WireError once the stream is corrupt
-                avail = ctl[HEAD] - self._rx_end.tail
-                if avail <= 0:
-                    if not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_end.tail, 1,
-                                      self._check_rx, deadline):
-                        raise TimeoutError(f"no message within {timeout} s")
-                    continue
-                fence()  # head before data
-                pos = self._rx_end.tail % cap
-                n = min(avail, len(view), cap - pos)
-                view[:n] = data[pos:pos + n]
-                view.release()
-                self._rx_end.tail += n
-                fence()  # data read before the writer may reuse it
-                ring.store(TAIL, self._rx_end.tail)
-                fence()  # tail before reading the writer's waiting flag
-                if ctl[W_WAIT]:
-                    ring.space_bell.ring()
-                msg = self._dec.advance(n)
-                if msg is not None:
-                    return msg
+                # one call: spin (no GIL) up to the spin time or the next liveness check
+                spin = self._spin_ns if deadline is None else min(
+                    self._spin_ns, max(0, int((deadline - time.monotonic()) * 1e9)))
+                status, got = reader.recv(spin, self._yield_every)
+                if status == HELD:  # its meta must parse before its bytes go
+                    got = self._accept(*got)
+                    status = reader.commit()
+                if status == TAKEN or status == TAKEN_WAKE:
+                    if ring.mirrored:
+                        ring.store(TAIL, reader.tail)
+                    if status == TAKEN_WAKE:  # the writer waits for space
+                        ring.space_bell.ring()
+                    return got
+                if status == STREAM:  # not whole yet, malformed, too big: the decoder's
+                    break
+                self._idle(deadline, timeout)  # EMPTY: the spin is spent
+            return self._stream_in(deadline, timeout)
+
+    def _idle(self, deadline: float | None, timeout: float | None) -> None:
+        """After a fast receive found nothing: check the peer (a receiver spinning for good)
+        or block until data arrives; TimeoutError once ``deadline`` passed."""
+        ring = self._rx
+        if self._forever:
+            self._check_rx()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no message within {timeout} s")
+        elif not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_end.tail, 1,
+                            self._check_rx, deadline, spin_s=0.0):
+            raise TimeoutError(f"no message within {timeout} s")
+
+    def _stream_in(self, deadline: float | None, timeout: float | None) -> Message:
+        """The Python path of :meth:`recv` (the caller holds the receive lock): feed the ring's
+        bytes to the stream decoder, waiting for more as needed, until it completes a message."""
+        ring = self._rx
+        cap, ctl, data = ring.capacity, ring.ctl, ring.data
+        while True:
+            if self._closed:
+                raise ChannelClosed("channel is closed")
+            view = self._dec.buffer()  # raises WireError once the stream is corrupt
+            avail = ctl[HEAD] - self._rx_end.tail
+            if avail <= 0:
+                if not self._wait(ring, R_WAIT, ring.data_bell, HEAD, self._rx_end.tail, 1,
+                                  self._check_rx, deadline):
+                    raise TimeoutError(f"no message within {timeout} s")
+                continue
+            fence()  # head before data
+            pos = self._rx_end.tail % cap
+            n = min(avail, len(view), cap - pos)
+            view[:n] = data[pos:pos + n]
+            view.release()
+            self._rx_end.tail += n
+            fence()  # data read before the writer may reuse it
+            ring.store(TAIL, self._rx_end.tail)
+            fence()  # tail before reading the writer's waiting flag
+            if ctl[W_WAIT]:
+                ring.space_bell.ring()
+            msg = self._dec.advance(n)
+            if msg is not None:
+                return msg
 
     def _accept(self, kind: int, step_id: int, layer: int, reply_to: int, meta: bytes,
                 tensors: list) -> Message:

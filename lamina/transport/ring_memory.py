@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 CTL_BYTES = 4096
-# control words (u64 index; x8 = byte offset): one 64-byte line each
+# control words (u64 index; x8 = byte offset): one 64-byte line each. The C++ fast path keeps a
+# copy of those it touches (shm_fast.CTL_WORDS), checked against these at every load.
 HEAD, TAIL, R_WAIT, W_WAIT, W_CLOSED, R_CLOSED, W_PID, R_PID, MAGIC, CAP = \
     0, 8, 16, 24, 32, 40, 48, 56, 64, 72
 RING_MAGIC = int.from_bytes(b"LMNARING", "little")

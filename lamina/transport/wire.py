@@ -1,5 +1,5 @@
-"""The one wire protocol of Lamina (DESIGN.md §5): a fixed binary header, tensor descriptors, a
-small JSON control block, then raw tensor bytes. No pickle anywhere.
+"""The one wire protocol of Lamina: a fixed binary header, tensor descriptors, a small JSON
+control block, then raw tensor bytes. No pickle anywhere.
 
 Layout of one message (all integers little endian)::
 
@@ -26,6 +26,10 @@ uint8 buffer holding the whole message: with :class:`StreamDecoder` that buffer 
 allocated and owned by the message; with :func:`decode` it is the caller's buffer when writable
 (zero copy; do not reuse the buffer while the tensors live, or pass ``copy=True``), and a private
 copy when the buffer is read-only (``bytes``).
+
+This module defines the layout for all of Python (:data:`HEADER_FORMAT`, :data:`DESC_FORMAT`,
+:data:`DTYPE_CODES`, :data:`LIMIT_FIELDS`, ...); the C++ ring fast path keeps its own copy,
+which :func:`lamina.transport.shm_fast.load` checks against these at every load.
 """
 from __future__ import annotations
 
@@ -34,15 +38,17 @@ import math
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Union
+from types import MappingProxyType
+from typing import Any, Mapping, Union
 
 import numpy as np
 import torch
 
-__all__ = ["MAGIC", "VERSION", "ALIGN", "MAX_NDIM", "HEADER_SIZE", "DESC_SIZE", "SUPPORTED_DTYPES",
-           "WireError", "MsgKind", "WireLimits", "DEFAULT_LIMITS", "Message", "Header",
-           "TensorDesc", "encode", "encode_bytes", "encode_meta", "check_message",
-           "unpack_header", "unpack_preamble", "decode_kind", "decode_meta", "assemble", "decode"]
+__all__ = ["MAGIC", "VERSION", "ALIGN", "MAX_NDIM", "HEADER_FORMAT", "DESC_FORMAT", "HEADER_SIZE",
+           "DESC_SIZE", "DTYPE_CODES", "SUPPORTED_DTYPES", "LIMIT_FIELDS", "WireError", "MsgKind",
+           "WireLimits", "DEFAULT_LIMITS", "Message", "Header", "TensorDesc", "encode",
+           "encode_bytes", "encode_meta", "check_message", "unpack_header", "unpack_preamble",
+           "decode_kind", "decode_meta", "assemble", "decode"]
 
 MAGIC = b"LMNA"
 VERSION = 1
@@ -83,14 +89,19 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.int32: 5,
     torch.uint8: 6, torch.bool: 7, torch.float64: 8, torch.int16: 9, torch.int8: 10,
 }
+DTYPE_CODES: Mapping[torch.dtype, int] = MappingProxyType(_DTYPE_CODES)  # dtype -> wire code
 _CODE_DTYPES = {code: dt for dt, code in _DTYPE_CODES.items()}
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_DTYPE_CODES)
 _ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _DTYPE_CODES}
 
-_HEADER = struct.Struct("<4sHHqqqIIQ")
-_DESC = struct.Struct("<BB6xQ8q")
+HEADER_FORMAT = "<4sHHqqqIIQ"  # the header's struct format (fields: see the module docstring)
+DESC_FORMAT = "<BB6xQ8q"  # one tensor descriptor's struct format
+_HEADER = struct.Struct(HEADER_FORMAT)
+_DESC = struct.Struct(DESC_FORMAT)
 HEADER_SIZE = _HEADER.size  # 48
 DESC_SIZE = _DESC.size  # 80
+LIMIT_FIELDS = ("max_tensors", "max_ndim", "max_tensor_bytes", "max_message_bytes",
+                "max_meta_bytes")  # WireLimits' fields, in the order of WireLimits.as_tuple
 
 
 @dataclass(frozen=True)
@@ -110,11 +121,10 @@ class WireLimits:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
-    def as_tuple(self) -> tuple[int, int, int, int, int]:
-        """(max_tensors, max_ndim, max_tensor_bytes, max_message_bytes, max_meta_bytes): the
-        form the C++ ring fast path takes."""
-        return (self.max_tensors, self.max_ndim, self.max_tensor_bytes, self.max_message_bytes,
-                self.max_meta_bytes)
+    def as_tuple(self) -> tuple[int, ...]:
+        """(max_tensors, max_ndim, max_tensor_bytes, max_message_bytes, max_meta_bytes), the
+        order of :data:`LIMIT_FIELDS`: the form the C++ ring fast path takes."""
+        return tuple(getattr(self, name) for name in LIMIT_FIELDS)
 
 
 DEFAULT_LIMITS = WireLimits()

@@ -2,16 +2,19 @@
 // written into (Writer), or read out of (Reader), one direction's byte ring in one call by an
 // object that holds the ring's state, and a wait on a control word without the GIL.
 //
-// Ring (lamina/transport/shm_ring.py): a control block of u64 words (HEAD at word 0, TAIL at
-// word 8, R_WAIT at 16, W_WAIT at 24) and `cap` data bytes; HEAD/TAIL count bytes since
-// creation, position = count % cap. The writer owns HEAD, the reader TAIL. Stores of a count
-// are releases, loads of the other side's count acquires (x86: plain moves, ordered by the
-// compiler barrier of the atomic builtins); the waiting flags are read after a full fence.
+// Ring (lamina/transport/ring_memory.py): a control block of u64 words and `cap` data bytes;
+// HEAD/TAIL count bytes since creation, position = count % cap. The writer owns HEAD, the
+// reader TAIL. Stores of a count are releases, loads of the other side's count acquires (x86:
+// plain moves, ordered by the compiler barrier of the atomic builtins); the waiting flags are
+// read after a full fence.
 //
 // Wire format (lamina/transport/wire.py, the source of truth): a 48-byte header "<4sHHqqqIIQ",
 // 80-byte descriptors "<BB6xQ8q", meta, padding to 64, then each tensor's bytes padded to 64.
 // This file accepts only messages that are whole and well formed under the given limits;
 // anything else is left in the ring for the Python decoder, which raises the precise error.
+//
+// The layout constants, the wire structs and the status codes are in ring_layout.h, which
+// the module exports (layout(), SENT, ...) for shm_fast.load() to check against Python's.
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -25,51 +28,15 @@
 #include <tuple>
 #include <vector>
 
+#include "ring_layout.h"
+
 namespace py = pybind11;
 
 namespace {
 
-constexpr int64_t kHead = 0, kTail = 8, kReaderWaits = 16, kWriterWaits = 24, kReaderClosed = 40;
-constexpr int64_t kHeaderBytes = 48, kDescBytes = 80, kAlign = 64, kMaxNdim = 8;
+using namespace lamina_ring;
+
 constexpr int64_t kMaxDescs = 64;  // most tensors of a fast-path message (more: the Python path)
-constexpr char kMagic[4] = {'L', 'M', 'N', 'A'};
-constexpr uint16_t kVersion = 1;
-
-// Wire dtype codes (wire._DTYPE_CODES).
-struct DType {
-  int code;
-  at::ScalarType type;
-  int64_t size;
-};
-constexpr DType kDTypes[] = {
-    {1, at::kFloat, 4}, {2, at::kHalf, 2},  {3, at::kBFloat16, 2}, {4, at::kLong, 8},
-    {5, at::kInt, 4},   {6, at::kByte, 1},  {7, at::kBool, 1},     {8, at::kDouble, 8},
-    {9, at::kShort, 2}, {10, at::kChar, 1},
-};
-
-const DType* by_type(at::ScalarType t) {
-  for (const DType& d : kDTypes)
-    if (d.type == t) return &d;
-  return nullptr;
-}
-const DType* by_code(int code) {
-  for (const DType& d : kDTypes)
-    if (d.code == code) return &d;
-  return nullptr;
-}
-
-inline int64_t align(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-// WireLimits as passed from Python: (max_tensors, max_ndim, max_tensor_bytes,
-// max_message_bytes, max_meta_bytes).
-struct Limits {
-  int64_t tensors, ndim, tensor_bytes, message_bytes, meta_bytes;
-  explicit Limits(const std::vector<int64_t>& v) {
-    TORCH_CHECK(v.size() == 5, "limits: (max_tensors, max_ndim, max_tensor_bytes, "
-                               "max_message_bytes, max_meta_bytes)");
-    tensors = v[0], ndim = v[1], tensor_bytes = v[2], message_bytes = v[3], meta_bytes = v[4];
-  }
-};
 
 struct Ring {
   uint64_t* ctl;
@@ -98,23 +65,6 @@ struct Ring {
   }
 };
 
-#pragma pack(push, 1)
-struct Header {
-  char magic[4];
-  uint16_t version, kind;
-  int64_t step_id, layer, reply_to;
-  uint32_t num_tensors, meta_len;
-  uint64_t total;
-};
-struct Desc {
-  uint8_t code, ndim;
-  uint8_t pad[6];
-  uint64_t nbytes;
-  int64_t shape[kMaxNdim];
-};
-#pragma pack(pop)
-static_assert(sizeof(Header) == kHeaderBytes && sizeof(Desc) == kDescBytes, "wire layout");
-
 // Messages up to this many bytes are copied with the GIL held: releasing and re-taking it
 // costs more than the copy (a 4 KB message is ~100 ns of memcpy).
 constexpr int64_t kNoGilBytes = 64 << 10;
@@ -137,15 +87,6 @@ bool spin_until(Ready ready, int64_t timeout_ns, int64_t yield_every) {
   }
 }
 
-// Status codes of Writer::send / Reader::recv.
-constexpr int64_t kSent = 0;          // send: written (the reader is awake)
-constexpr int64_t kSentWake = 1;      // send: written; the reader sleeps (ring its doorbell)
-constexpr int64_t kNoRoom = -1;       // send: the message does not fit in the free space now
-constexpr int64_t kIneligible = -2;   // send: let the Python encoder handle (or refuse) it
-constexpr int64_t kPeerClosed = -3;   // send: the reader closed its end (nothing written)
-constexpr int64_t kEmpty = 0;         // recv: no byte of a message yet
-constexpr int64_t kSlowPath = 2;      // recv: not whole yet, malformed, over the limits, too big
-
 // One end's writer of one direction: the ring, the limits and HEAD (this end's count, which it
 // alone moves) live here, so a message costs one call that converts only its own fields.
 class Writer {
@@ -157,8 +98,24 @@ class Writer {
 
   void set_limits(const std::vector<int64_t>& limits) { lim_ = Limits(limits); }
 
-  // Writes the whole message at `head` when it fits in the free space and stores HEAD:
-  // kSent / kSentWake, or kPeerClosed / kNoRoom / kIneligible (nothing written).
+  // send() on Python objects: an argument that does not convert (a wrong type, an integer out
+  // of range) or a tensor torch will not describe is kIneligible (the Python encoder's business).
+  int64_t send_any(py::handle kind, py::handle step_id, py::handle layer, py::handle reply_to,
+                   py::handle meta, py::handle tensors) {
+    try {
+      return send(kind.cast<int64_t>(), step_id.cast<int64_t>(), layer.cast<int64_t>(),
+                  reply_to.cast<int64_t>(), meta.cast<std::string>(),
+                  tensors.cast<std::vector<at::Tensor>>());
+    } catch (const py::cast_error&) {
+      return kIneligible;
+    } catch (const c10::Error&) {
+      return kIneligible;
+    }
+  }
+
+  // Writes the whole message at `head` when it fits in the free space and stores HEAD: kSent,
+  // or kSentWake (the reader sleeps: ring its bell); else nothing written: kPeerClosed (the
+  // reader closed), kNoRoom (not now), kIneligible (the Python encoder's business).
   int64_t send(int64_t kind, int64_t step_id, int64_t layer, int64_t reply_to,
                const std::string& meta, const std::vector<at::Tensor>& tensors) {
     const int64_t n = static_cast<int64_t>(tensors.size());
@@ -173,8 +130,8 @@ class Writer {
     for (int64_t i = 0; i < n; ++i) {
       const at::Tensor& t = tensors[i];
       const DType* dt = by_type(t.scalar_type());
-      if (!dt || !t.device().is_cpu() || !t.is_contiguous() || t.is_conj() || t.is_neg() ||
-          t.dim() > lim_.ndim || t.dim() > kMaxNdim || t.layout() != at::kStrided)
+      if (!dt || t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous() ||
+          t.is_conj() || t.is_neg() || t.dim() > lim_.ndim || t.dim() > kMaxNdim)
         return kIneligible;
       const int64_t nbytes = t.numel() * dt->size;
       if (nbytes > lim_.tensor_bytes) return kIneligible;
@@ -259,7 +216,9 @@ class Reader {
   // message: the Message class, called as message(kind, step_id, layer, reply_to, {}, tensors).
   Reader(int64_t ctl, int64_t data, int64_t cap, int64_t tail, const std::vector<int64_t>& limits,
          const py::dict& kinds, py::object message)
-      : ring_(ctl, data, cap), tail(tail), lim_(limits), message_(std::move(message)) {
+      : ring_(ctl, data, cap), tail(tail), lim_(limits), message_(std::move(message)),
+        empty_(py::make_tuple(kEmpty, py::none())),
+        stream_(py::make_tuple(kStream, py::none())) {
     for (auto item : kinds) {
       const int64_t code = item.first.cast<int64_t>();
       TORCH_CHECK(code >= 0 && code <= 0xFFFF, "kind codes are u16");
@@ -269,23 +228,21 @@ class Reader {
   }
 
   // With nothing there yet, first spins (without the GIL) up to spin_ns for a byte to arrive
-  // (yield_every > 0: sched_yield every that many rounds of 64 polls). Returns
-  //   kEmpty, or kSlowPath (not whole yet, malformed, unknown kind, over the limits: the Python
-  //     decoder's business);
-  //   a Message: a message without meta, committed (TAIL stored past it);
-  //   (Message,): the same, and the writer sleeps waiting for space (ring its doorbell);
-  //   (kind, step_id, layer, reply_to, meta, tensors): a message with meta, NOT committed: the
-  //     caller calls commit() once its meta parsed, so a refused message stays in the ring.
+  // (yield_every > 0: sched_yield every that many rounds of 64 polls). Returns (status, payload):
+  // (kEmpty, None); (kStream, None): not whole yet, malformed, unknown kind, over the limits:
+  // the Python decoder's business; (kTaken, Message): a message without meta, committed (TAIL
+  // stored past it), kTakenWake: the same and the writer sleeps waiting for space (ring its
+  // bell); (kHeld, (kind, step_id, layer, reply_to, meta, tensors)): a message with meta, NOT
+  // committed: commit() once its meta parsed, so a refused message stays in the ring.
   // Tensors are fresh (each owns its memory).
   py::object recv(int64_t spin_ns, int64_t yield_every) {
     const uint64_t t = static_cast<uint64_t>(tail);
-    if (!spin_until([&] { return ring_.load(kHead) != t; }, spin_ns, yield_every))
-      return py::int_(kEmpty);
+    if (!spin_until([&] { return ring_.load(kHead) != t; }, spin_ns, yield_every)) return empty_;
     const int64_t avail = static_cast<int64_t>(ring_.load(kHead) - t);
-    if (avail <= 0) return py::int_(kEmpty);
+    if (avail <= 0) return empty_;
     // A message from the fast path appears whole (one HEAD store): a part of one was streamed
     // by the Python path (too big for the free space) and is decoded by it as it arrives.
-    if (avail < kHeaderBytes) return py::int_(kSlowPath);
+    if (avail < kHeaderBytes) return stream_;
     Header hd;
     ring_.get(t, &hd, kHeaderBytes);
     const int64_t total = static_cast<int64_t>(hd.total);
@@ -294,10 +251,10 @@ class Reader {
         hd.meta_len > lim_.meta_bytes || total > lim_.message_bytes || total < 0 ||
         total < align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len) ||
         total > ring_.cap || avail < total || hd.kind >= kinds_.size() || !kinds_[hd.kind])
-      return py::int_(kSlowPath);
+      return stream_;
     Desc descs[kMaxDescs];
     if (hd.num_tensors) ring_.get(t + kHeaderBytes, descs, hd.num_tensors * kDescBytes);
-    if (!well_formed(hd, descs, lim_)) return py::int_(kSlowPath);
+    if (!well_formed(hd, descs, lim_)) return stream_;
     std::string meta(hd.meta_len, '\0');
     std::vector<at::Tensor> out;
     out.reserve(hd.num_tensors);
@@ -320,20 +277,21 @@ class Reader {
     py::list tensors(out.size());
     for (size_t i = 0; i < out.size(); ++i) tensors[i] = py::cast(std::move(out[i]));
     if (hd.meta_len)
-      return py::make_tuple(static_cast<int64_t>(hd.kind), hd.step_id, hd.layer, hd.reply_to,
-                            py::bytes(meta), std::move(tensors));
+      return py::make_tuple(kHeld, py::make_tuple(static_cast<int64_t>(hd.kind), hd.step_id,
+                                                  hd.layer, hd.reply_to, py::bytes(meta),
+                                                  std::move(tensors)));
     py::object msg = message_(kinds_[hd.kind], hd.step_id, hd.layer, hd.reply_to, py::dict(),
                               std::move(tensors));
-    if (commit()) return py::make_tuple(std::move(msg));
-    return msg;
+    const int64_t status = commit();  // only once the Message exists
+    return py::make_tuple(status, std::move(msg));
   }
 
-  // Frees the last message read (stores TAIL past it); returns whether the writer sleeps
-  // waiting for space (the caller rings its doorbell).
-  bool commit() {
+  // Frees the last message read (stores TAIL past it): kTaken, or kTakenWake when the writer
+  // sleeps waiting for space (the caller rings its doorbell).
+  int64_t commit() {
     tail = pending_;
     ring_.store(kTail, static_cast<uint64_t>(tail));
-    return ring_.flag_after_fence(kWriterWaits);
+    return ring_.flag_after_fence(kWriterWaits) ? kTakenWake : kTaken;
   }
 
   int64_t tail;  // bytes consumed since creation (the Python path moves it too)
@@ -342,6 +300,7 @@ class Reader {
   Ring ring_;
   Limits lim_;
   py::object message_;              // the Message class
+  py::object empty_, stream_;       // the two results without a payload
   std::vector<py::object> kinds_;   // code -> kind object (empty: not a kind; the slow path)
   int64_t pending_ = 0;             // the tail past the last message read
 };
@@ -366,9 +325,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     const std::vector<int64_t>&>(),
            py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("head"), py::arg("limits"),
            py::arg("kinds"))
-      .def("send", &Writer::send,
-           "send(kind, step_id, layer, reply_to, meta, tensors) -> 0 sent | 1 sent, reader "
-           "sleeps | -1 no room | -2 ineligible | -3 reader closed")
+      .def("send", &Writer::send_any,
+           "send(kind, step_id, layer, reply_to, meta, tensors) -> SENT | SENT_WAKE (the reader "
+           "sleeps) | NO_ROOM | INELIGIBLE | PEER_CLOSED")
       .def("set_limits", &Writer::set_limits)
       .def_readwrite("head", &Writer::head);
   py::class_<Reader>(m, "Reader")
@@ -377,10 +336,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("tail"), py::arg("limits"),
            py::arg("kinds"), py::arg("message"))
       .def("recv", &Reader::recv,
-           "recv(spin_ns, yield_every) -> 0 empty | 2 slow path | Message | (Message,): the "
-           "writer sleeps | (kind, step_id, layer, reply_to, meta, tensors): commit() pending")
-      .def("commit", &Reader::commit, "commit() -> writer sleeps")
+           "recv(spin_ns, yield_every) -> (status, payload): (EMPTY, None) | (STREAM, None) | "
+           "(TAKEN, Message) | (TAKEN_WAKE, Message): the writer sleeps | (HELD, (kind, "
+           "step_id, layer, reply_to, meta, tensors)): commit() pending")
+      .def("commit", &Reader::commit, "commit() -> TAKEN | TAKEN_WAKE (the writer sleeps)")
       .def_readwrite("tail", &Reader::tail);
   m.def("ring_wait", &ring_wait,
         "ring_wait(ctl, word, base, need, timeout_ns, yield_every) -> ctl[word] - base >= need");
+  m.def("layout", &lamina_ring::layout, "layout() -> dict: the layout this module assumes");
+  for (size_t s = 0; s < std::size(kStatusNames); ++s) m.attr(kStatusNames[s]) = int64_t(s);
 }
