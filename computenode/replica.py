@@ -2,7 +2,7 @@
 
 The replica owns the slices (on its device) and a :class:`Sampler`. Attention is not its
 business: ``execute`` takes an ``attend(layer, q, k, v) -> o`` callable that ships q/k/v to the
-memory nodes and returns the merged output ``o[T,H,D]`` (DESIGN.md §3, steps 3-5).
+memory nodes and returns the merged output ``o[T,H,D]``.
 With ``cuda_graph_tokens > 0`` (a CUDA device only) every slice is captured as CUDA graphs for
 steps of up to that many tokens and replayed there (:mod:`lamina.computenode.cuda_graphs`).
 """
@@ -33,7 +33,7 @@ class ComputeReplica:
         if cuda_graph_tokens > 0:  # raises where the device cannot capture them
             self.graphs = SliceGraphs(split, self.device, capture_sizes(cuda_graph_tokens))
 
-    # -- one slice at a time (the pipelined executor drives these) ------------------------------
+    # -- one slice at a time (the replica core drives these: runner.py) ------------------------------
     def begin(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """The values slice 0 of ``plan`` reads, on this replica's device."""
         return self.split.start(plan.token_ids.to(self.device), plan.positions.to(self.device),

@@ -1,5 +1,5 @@
 """A compute replica in its own process, one of ``N`` that run a micro-batch schedule together
-(staggered pipelining, DESIGN.md §3 and §6); the same code under every placement (a process of
+(staggered pipelining); the same code under every placement (a process of
 its own, a Ray actor). The engine side is :class:`lamina.instance.procs.RemoteReplicas`.
 
 Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no pickle):
@@ -29,26 +29,23 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lamina.computenode.polling import eager_module_loading, make_polling
 from lamina.computenode.replica import ComputeReplica
+from lamina.computenode.runner import MicroBatch, SliceRunner
+from lamina.config import PipelineConfig
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
-from lamina.computenode.attend import attend_messages, join_results, merge_results
-from lamina.computenode.polling import Prelaunched, eager_module_loading, make_polling
-from lamina.computenode.schedule import replica_for
-from lamina.splitter.slices import ATTN_OUT
-from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
 from lamina.transport.endpoint import Listening, connect, listen
+from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport.wire import Message, MsgKind
-from lamina.types import AttendResult, NodeRoute, PrepareMsg, SamplingParams, StepPlan
+from lamina.types import AttendMsg, PrepareMsg
 
 codec.register_error(NodeFailure)
 
@@ -72,23 +69,6 @@ class ReplicaConfig:
     device_polling: str = "off"  # off | cuda | emulated (lamina.computenode.polling)
     micro_batches: int = 1  # slots in flight and ...
     max_step_tokens: int = 0  # ... tokens per micro-batch: polling's staging, made up front
-
-
-@dataclass
-class MicroBatch:
-    """A micro-batch as one replica sees it. ``k`` is the next slice to run here once
-    ``values`` (its context) and layer ``k-1``'s results are in."""
-
-    plan: StepPlan
-    routes: list[NodeRoute]
-    req_ids: list[int]
-    params: list[SamplingParams]
-    uniforms: torch.Tensor | None
-    k: int = -1
-    values: dict[str, torch.Tensor] | None = None
-    parts: list[int] = field(default_factory=list)  # ATTEND parts per route for layer k-1
-    results: dict[int, list[list[AttendResult]]] = field(default_factory=dict)  # layer -> route
-    ahead: Prelaunched | None = None  # slice k, enqueued before layer k-1's results (polling)
 
 
 def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
@@ -120,21 +100,27 @@ class _Failed(Exception):
 
 
 class ReplicaServer:
+    """One replica's process: its channels, the inbox they feed, and the replica core
+    (:class:`~lamina.computenode.runner.SliceRunner`) it drives; the runner's port."""
+
     def __init__(self, replica: ComputeReplica, config: ReplicaConfig, ctrl):
-        self.replica = replica
         self.cfg = config
         self.ctrl = ctrl
         self.nodes: list = []
         self.next = None  # channel to replica index+1 (None: N == 1)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: on the hot path
-        self.mbs: dict[int, MicroBatch] = {}  # step id -> micro-batch (insertion = age)
         self.slots: dict[int, int] = {}  # micro-batch slot -> its current step id
         self.early: dict[int, list[tuple[Any, Message]]] = {}  # messages before their STEP
         self.last_step = -1  # newest STEP seen (the engine sends them in step id order)
         self.spans: list[list] = []  # timeline spans not yet sent to the engine
         self.failure: Exception | None = None
-        self.polling = make_polling(config.device_polling, replica.device,
-                                    config.micro_batches, config.max_step_tokens)
+        polling = make_polling(config.device_polling, replica.device, config.micro_batches,
+                               config.max_step_tokens)
+        pipeline = PipelineConfig(config.schedule, config.micro_batches, config.replicas,
+                                  config.attn_parts)
+        self.runner = SliceRunner({config.index: replica}, pipeline, self,
+                                  peer_base=config.peer_base, polling=polling,
+                                  span=self._span if config.trace else None)
         self._reader("engine", ctrl)
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -152,9 +138,6 @@ class ReplicaServer:
                 self.inbox.put((source, e))
         threading.Thread(target=loop, daemon=True, name=f"reader-{source}").start()
 
-    def _target(self, mb: MicroBatch, k: int) -> int:
-        return replica_for(self.cfg.schedule, mb.plan.micro_batch, k, self.cfg.replicas)
-
     def run(self) -> None:
         try:
             while True:
@@ -167,12 +150,15 @@ class ReplicaServer:
                                            f"{self._name(source)} is gone: {item}"))
                 else:
                     self._file(source, item)
-                self._run_ready()
+                try:
+                    self.runner.run_ready()
+                except _Failed:
+                    pass
         finally:
-            for mb in self.mbs.values():
-                self._release(mb)
-            if self.polling is not None:
-                self.polling.close()
+            for step_id in list(self.runner.mbs):
+                self.runner.drop(step_id)
+            if self.runner.polling is not None:
+                self.runner.polling.close()
             for ch in [*self.nodes, self.next, self.ctrl]:
                 if ch is not None:
                     ch.close()
@@ -192,9 +178,8 @@ class ReplicaServer:
                     pass
                 return True
             if msg.kind == MsgKind.RESET:  # the engine dropped every micro-batch in flight
-                for mb in self.mbs.values():
-                    self._release(mb)
-                self.mbs.clear()
+                for step_id in list(self.runner.mbs):
+                    self.runner.drop(step_id)
                 self.slots.clear()
                 self.early.clear()
                 return True
@@ -232,19 +217,14 @@ class ReplicaServer:
         plan, routes, req_ids, params = parse_step(msg)
         old = self.slots.get(plan.micro_batch)
         if old is not None:  # the slot's previous iteration is over (its tokens were sent)
-            self._release(self.mbs.pop(old, None))
+            self.runner.drop(old)
         self.slots[plan.micro_batch] = plan.step_id
         self.last_step = max(self.last_step, plan.step_id)
         mb = MicroBatch(plan, routes, req_ids, params, step_uniforms(msg))
-        self.mbs[plan.step_id] = mb
         if self.failure is not None:
-            self._error(mb, self.failure)
+            self.failed(mb, self.failure)
             return
-        if self._target(mb, 0) == self.cfg.index:
-            for route in routes:
-                self._send(("node", route.node),
-                           codec.to_message(PrepareMsg(plan.step_id, route.works)))
-            mb.values, mb.k = self.replica.begin(plan), 0
+        self.runner.start(mb)
         for source, early in self.early.pop(plan.step_id, []):
             self._file(source, early)
 
@@ -261,7 +241,7 @@ class ReplicaServer:
             raise _Failed from e
 
     def _file(self, source: Any, msg: Message) -> None:
-        mb = self.mbs.get(msg.step_id)
+        mb = self.runner.mbs.get(msg.step_id)
         if msg.kind == MsgKind.OK:
             return  # a PREPARE's reply
         if mb is None:
@@ -270,131 +250,51 @@ class ReplicaServer:
             return  # else: for a step that already ended here (an error, a reset): stale
         if msg.kind == MsgKind.ERROR:
             self._error(mb, codec.from_message(msg))
-            return
-        if msg.kind == MsgKind.CONTEXT:
-            names = msg.meta["names"]
-            mb.values = dict(zip(names, msg.tensors))
-            mb.k, mb.parts = msg.layer, list(msg.meta["parts"])
+        elif msg.kind == MsgKind.CONTEXT:
+            self.runner.on_context(mb, msg.layer, dict(zip(msg.meta["names"], msg.tensors)),
+                                   msg.meta["parts"])
         elif msg.kind == MsgKind.RESULT and isinstance(source, tuple):
             route = next((i for i, r in enumerate(mb.routes) if r.node == source[1]), None)
             if route is None:
                 self._error(mb, ValueError(f"RESULT from {self._name(source)}, which has no "
                                            f"part of step {msg.step_id}"))
                 return
-            per_route = mb.results.setdefault(msg.layer, [[] for _ in mb.routes])
-            per_route[route].append(codec.from_message(msg))
+            self.runner.on_result(mb, route, codec.from_message(msg))
         else:
             self._error(mb, ValueError(f"unexpected {msg.kind.name} from {self._name(source)}"))
 
-    def _ready(self, mb: MicroBatch) -> bool:
-        if mb.values is None or self._target(mb, mb.k) != self.cfg.index:
-            return False
-        if mb.k == 0:
-            return True
-        got = mb.results.get(mb.k - 1)
-        return got is not None and [len(p) for p in got] == mb.parts
+    # -- the runner's port --------------------------------------------------------------------------
+    def to_node(self, node: int, msg: PrepareMsg | AttendMsg) -> None:
+        self._send(("node", node), codec.to_message(msg))
 
-    def _run_ready(self) -> None:
-        progressed = True
-        while progressed:
-            progressed = False
-            for mb in list(self.mbs.values()):
-                if self._ready(mb):
-                    try:  # with polling, all of a micro-batch's GPU work on its slot's stream
-                        with self.polling.stream(mb.plan.micro_batch) if self.polling else nullcontext():
-                            self._run_slice(mb)
-                    except _Failed:
-                        return
-                    progressed = True
+    def to_next(self, mb: MicroBatch, values: dict[str, torch.Tensor], parts: list[int]) -> None:
+        names = list(values)
+        self._send("next", Message(MsgKind.CONTEXT, mb.step_id, mb.k + 1,
+                                   meta={"names": names, "parts": parts},
+                                   tensors=[values[n].contiguous() for n in names]))
 
-    def _run_slice(self, mb: MicroBatch) -> None:
-        """Run (or, pre-launched, release) slice ``mb.k``, then send its ATTENDs or TOKENS."""
-        k, plan = mb.k, mb.plan
-        ahead, mb.ahead = mb.ahead, None
-        if k > 0:
-            results = mb.results.pop(k - 1)
-            for route, parts in zip(mb.routes, results):
-                for i, res in enumerate(parts):
-                    if res.span_ns:
-                        self._span("memory", route.node, f"attend {k - 1}" +
-                                   (f".{i}" if len(parts) > 1 else ""), *res.span_ns, mb)
-            o = merge_results(mb.routes, [join_results(p) for p in results], plan.num_tokens).contiguous()
-            if ahead is None:
-                mb.values[ATTN_OUT] = o
-        t0 = time.perf_counter_ns()
-        try:
-            if ahead is not None:  # enqueued when the ATTENDs went out: land o, release it
-                context, qkv, logits = self.polling.land(ahead, o)
-            else:
-                context, qkv, logits = self.replica.run_slice(k, mb.values)
-            if context is None:
-                tokens = self.replica.sample(logits, mb.req_ids, mb.params, mb.uniforms)
-        except Exception as e:
-            self._error(mb, e)
-            return
-        t1 = time.perf_counter_ns()
-        tag = " (landed)" if ahead else ""
-        if context is None:
-            self._span("compute", self.cfg.index, f"slice {k} + sample{tag}", t0, t1, mb)
-            reply = tokens_message(plan.step_id, tokens.tolist())
-            reply.meta["spans"], self.spans = self.spans, []
-            self.ctrl.send(reply)
-            mb.values = None
-            return
-        nxt = self._target(mb, k + 1)
-        msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=self.cfg.peer_base + nxt,
-                               parts=self.cfg.attn_parts)
-        for route, parts in zip(mb.routes, msgs):
-            for m in parts:
-                self._send(("node", route.node), codec.to_message(m))
-        parts = [len(p) for p in msgs]
-        if nxt == self.cfg.index:
-            mb.values, mb.k, mb.parts = context, k + 1, parts
-            if self.polling is not None:
-                self._prelaunch(mb, qkv[0])
-        else:
-            names = list(context)
-            self._send("next", Message(MsgKind.CONTEXT, plan.step_id, k + 1,
-                                       meta={"names": names, "parts": parts},
-                                       tensors=[context[n].contiguous() for n in names]))
-            mb.values = None
-        self._span("compute", self.cfg.index, f"slice {k}{tag}", t0, t1, mb)
-        self._span("compute", self.cfg.index, "send", t1, time.perf_counter_ns(), mb)
+    def to_engine(self, mb: MicroBatch, tokens: list[int]) -> None:
+        reply = tokens_message(mb.step_id, tokens)
+        reply.meta["spans"], self.spans = self.spans, []
+        self.ctrl.send(reply)
 
-    def _prelaunch(self, mb: MicroBatch, q: torch.Tensor) -> None:
-        """Enqueue slice ``mb.k`` now, reading an attention output not yet here (polling)."""
-        k, values = mb.k, mb.values
-
-        def run(o: torch.Tensor):
-            return self.replica.run_slice(k, {**values, ATTN_OUT: o})
-
-        try:
-            mb.ahead = self.polling.prelaunch(mb.plan.micro_batch, q, run)
-        except Exception as e:
-            self._error(mb, e)
-
-    def _release(self, mb: MicroBatch | None) -> None:
-        """Let a dropped micro-batch's pre-launched slice run (on garbage) so its stream moves."""
-        if mb is not None and mb.ahead is not None:
-            self.polling.release(mb.ahead)
-            mb.ahead = None
+    def failed(self, mb: MicroBatch, error: BaseException) -> None:
+        """End ``mb`` here with an ERROR to the engine (tagged with its step)."""
+        reply = codec.to_message(error)
+        reply.step_id = mb.step_id
+        self.ctrl.send(reply)
 
     # -- failures and timeline --------------------------------------------------------------------
     def _error(self, mb: MicroBatch, error: BaseException) -> None:
-        """End ``mb`` here with an ERROR to the engine (tagged with its step)."""
-        reply = codec.to_message(error)
-        reply.step_id = mb.plan.step_id
-        self._release(mb)
-        self.mbs.pop(mb.plan.step_id, None)
-        self.ctrl.send(reply)
+        self.runner.drop(mb.step_id)
+        self.failed(mb, error)
 
     def _fail(self, error: Exception) -> None:
         """A node or peer is gone: fail every micro-batch in flight and every later one."""
         self.failure = error
-        for mb in list(self.mbs.values()):
+        for mb in list(self.runner.mbs.values()):
             self._error(mb, error)
 
     def _span(self, role: str, track: int, name: str, start: int, end: int,
               mb: MicroBatch) -> None:
-        if self.cfg.trace:
-            self.spans.append([role, track, name, start, end, mb.plan.micro_batch, mb.plan.step_id])
+        self.spans.append([role, track, name, start, end, mb.slot, mb.step_id])

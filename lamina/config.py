@@ -111,10 +111,11 @@ class InstanceConfig:
     links instead of sleeping on them (replicas never poll: their cores run the slices).
     ``cuda_graphs``: replicas on a CUDA ``device`` capture their slices as CUDA graphs for
     decode steps of up to ``max_num_seqs`` tokens and replay them (off by default until
-    verified on a GPU; refused on any other device). ``device_polling``: replicas out of
-    process pre-launch each next slice behind a device flag the attention results release
-    (:mod:`lamina.computenode.polling`): ``cuda`` needs a CUDA ``device`` and cupy;
-    ``emulated`` is its CPU stand-in (the same bookkeeping, slices deferred), for tests."""
+    verified on a GPU; refused on any other device). ``device_polling``: replicas
+    pre-launch each next slice behind a device flag the attention results release
+    (:mod:`lamina.computenode.polling`): ``cuda`` needs a CUDA ``device`` and cupy (and, in
+    process, memory nodes off the GPU); ``emulated`` is its CPU stand-in (the same
+    bookkeeping, slices deferred), for tests."""
 
     memory: int = 1
     placement: str = "inproc"
@@ -148,9 +149,11 @@ class InstanceConfig:
                              f"got device={self.device!r}")
         if self.device_polling not in POLLING:
             raise ValueError(f"device_polling must be one of {', '.join(POLLING)}; got {self.device_polling!r}")
-        if self.device_polling != "off" and self.placement == "inproc":
-            raise ValueError("device_polling needs replicas out of process (placement procs or ray): "
-                             "in-process memory nodes answer before the next slice could be queued")
+        if self.device_polling == "cuda" and self.placement == "inproc" \
+                and parse(self.node_device).kind == "cuda":
+            raise ValueError("device_polling='cuda' with in-process memory nodes on the GPU: their "
+                             "attention would make CUDA calls while a slice waits on its flag; "
+                             "put the memory nodes on the CPU or out of process")
         if self.device_polling == "cuda" and self.cuda_graphs:
             raise ValueError("device_polling and cuda_graphs do not combine yet: micro-batches on "
                              "their own streams would share the graphs' static buffers")

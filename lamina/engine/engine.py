@@ -3,7 +3,7 @@
 Each ``step()`` forms a StepPlan (continuous batching, chunked prefill) and its per-node routes
 for every free micro-batch slot, has the compute replicas (a :class:`~lamina.engine.worker.WorkerClient`,
 in this process or in a Ray actor) run them, and applies stop conditions to the micro-batches that
-finish. With ``n`` slots (staggered pipelining, :mod:`lamina.computenode.executor`) a request belongs to at
+finish. With ``n`` slots (staggered pipelining, :mod:`lamina.computenode.runner`) a request belongs to at
 most one micro-batch in flight, and a micro-batch is re-formed as soon as it finishes.
 """
 from __future__ import annotations

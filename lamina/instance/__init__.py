@@ -1,4 +1,4 @@
-"""One instance type, placed three ways (DESIGN.md §4).
+"""One instance type, placed three ways.
 
 An instance is one engine (scheduler) + ``C`` compute replicas + ``M`` memory nodes. The
 memory-node server and the compute-replica server are the same code under every placement; the
@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from lamina.computenode.polling import make_polling
 from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.server import ReplicaConfig
@@ -152,6 +153,10 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
     cap = node_capacity(info.specs, info.dtype, config.cache)
     replica_devs, node_devs = icfg.role_devices()
     graph_tokens = config.scheduler.max_num_seqs if icfg.cuda_graphs else 0
+    if icfg.device_polling == "cuda":  # refused before any role starts
+        from lamina.computenode.polling import unavailable
+        if (why := unavailable(replica_devs[0].torch)) is not None:
+            raise ValueError(why)
     if icfg.placement == "inproc":
         cores = sorted({c for d in replica_devs + node_devs for c in (d.cores or ())})
         if cores:  # cores named: this process runs every role, so it owns their union
@@ -162,14 +167,12 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
             for k, d in enumerate(node_devs)]
         sampler = Sampler()
         replicas = [ComputeReplica(info.split, d.torch, sampler, graph_tokens) for d in replica_devs]
-        worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline)
-        closers: list[Callable[[], None]] = []
+        polling = make_polling(icfg.device_polling, replica_devs[0].torch,
+                               icfg.pipeline.micro_batches, config.scheduler.max_num_batched_tokens)
+        worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline, polling)
+        closers: list[Callable[[], None]] = [worker.close]
     else:
         from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
-        if icfg.device_polling == "cuda":  # refused before any role starts
-            from lamina.computenode.polling import unavailable
-            if (why := unavailable(replica_devs[0].torch)) is not None:
-                raise ValueError(why)
         # a memory node alone on its cores polls its replicas' links instead of sleeping
         # (one instance per host only); a replica's receivers share its cores with its slices
         spin = (exclusive(replica_devs + node_devs) if config.instances == 1 and icfg.spin

@@ -1,4 +1,4 @@
-"""Where a role runs: the launcher seam of a placement (DESIGN.md §4).
+"""Where a role runs: the launcher seam of a placement.
 
 A launcher starts a role's entry point ``target(endpoint, config)`` (the memory-node server or
 the compute-replica server) somewhere and returns a :class:`RoleHandle`: ``pid``,

@@ -1,6 +1,5 @@
 """Roles out of the engine's process (placements ``procs`` and ``ray``): starting them, and the
-engine's :class:`RemoteReplicas` worker that runs staggered pipelining across them (DESIGN.md
-§6). The servers are :mod:`lamina.memnode.server` and :mod:`lamina.computenode.server`; where
+engine's :class:`RemoteReplicas` worker that runs staggered pipelining across them. The servers are :mod:`lamina.memnode.server` and :mod:`lamina.computenode.server`; where
 they run is the launcher's business (:mod:`lamina.instance.launcher`).
 
 Start-up, written once for both roles (:func:`start_roles`): the engine opens a control channel
@@ -273,7 +272,7 @@ class RemoteReplicas(WorkerClient):
     def reset(self) -> None:
         """Forget the micro-batches in flight, here and on every replica (RESET; the replicas
         then drop late messages of those steps). Their steps stay prepared on the memory nodes,
-        as after a reset of the in-process executor."""
+        as after a reset of the in-process replicas."""
         self.pending.clear()
         for i, ch in enumerate(self.channels):
             if i not in self.dead:

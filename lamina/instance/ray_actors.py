@@ -1,5 +1,5 @@
 """The ``ray`` placement's launcher: every role is a Ray actor hosting the same server code
-as a ``procs`` process (DESIGN.md §5: Ray is the control plane only).
+as a ``procs`` process (Ray is the control plane only).
 
 Ray places the actors (custom resources ``lamina_compute`` / ``lamina_memory``, ``num_gpus=1``
 on CUDA devices), starts them and reports where they landed; tensors never go through Ray:

@@ -32,7 +32,6 @@ def test_modes():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(device_polling="emulated", placement="inproc"), "replicas out of process"),
     (dict(device_polling="cuda", placement="procs"), "CUDA compute device|cupy|CUDA"),
     (dict(device_polling="sometimes", placement="procs"), "device_polling must be one of")])
 def test_config_refuses_what_cannot_run(kw, match):

@@ -1,6 +1,6 @@
 """Staggered pipelining keeps greedy outputs token-identical to HF (so identical across none,
 fixed and rotational) with 1-3 compute replicas and 2-4 micro-batches, on tiny llama/gpt2 and
-on the builtin SmolLM2 (slow). Every role runs in this process (the pipelined executor), except
+on the builtin SmolLM2 (slow). Every role runs in this process (the replica core), except
 one case of attention mini-batches under ``placement="procs"`` (slow); tests/e2e/
 test_pipeline_processes.py and tests/instance/ cover pipelining across processes."""
 import pytest

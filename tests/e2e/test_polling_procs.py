@@ -1,6 +1,6 @@
-"""Pre-launched slices under processes (``device_polling="emulated"``, the CPU stand-in of
-device-side polling): the replica server's bookkeeping keeps greedy output equal to HF. Not
-marked slow: this is the only CI run of that path (one deployment, ~30 s)."""
+"""Pre-launched slices (``device_polling="emulated"``, the CPU stand-in of device-side polling)
+under processes and in process: the replica core's bookkeeping keeps greedy output equal to HF.
+Not marked slow: this is the only CI run of that path."""
 import pytest
 
 from lamina import LLM, SamplingParams
@@ -18,12 +18,13 @@ def tiny(tmp_path_factory):
     return tiny_case("llama", tmp_path_factory, PROMPTS, MAX_NEW)
 
 
-def test_prelaunched_slices_keep_greedy_output(tiny, tmp_path):
+@pytest.mark.parametrize("placement", ["procs", "inproc"])
+def test_prelaunched_slices_keep_greedy_output(tiny, tmp_path, placement):
     """``device_polling="emulated"`` (the CPU stand-in of pre-launching each next slice behind a
-    device flag): two micro-batches on one replica process, outputs equal to HF, and the
-    timeline shows slices released by landed results."""
+    device flag): two micro-batches on one replica, outputs equal to HF, and the timeline
+    shows slices released by landed results."""
     folder, want = tiny
-    with LLM(str(folder), memory=2, placement="procs", micro_batches=2, pipeline="rotational",
+    with LLM(str(folder), memory=2, placement=placement, micro_batches=2, pipeline="rotational",
              device_polling="emulated", trace=str(tmp_path / "run.json")) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         names = {s.name for s in llm.timeline.spans if s.role == "compute"}

@@ -1,0 +1,256 @@
+"""The replica core: micro-batches through the slices of a split model on the compute replicas
+of one process, written once for every placement.
+
+A micro-batch's slice ``k`` runs on replica ``replica_for(schedule, j, k, N)``
+(:mod:`lamina.computenode.schedule`). A :class:`SliceRunner` holds the replicas of its process
+(``replicas``: index -> :class:`ComputeReplica`; all ``N`` in the engine's process, one in a
+replica process) and knows no transport: a driver feeds it (:meth:`SliceRunner.start`,
+:meth:`~SliceRunner.on_context`, :meth:`~SliceRunner.on_result`) and delivers what it emits
+through a :class:`Port`: PREPAREs and ATTENDs for memory nodes, a micro-batch's context for the
+next replica (when that replica lives elsewhere), the tokens of a finished micro-batch.
+
+Drivers: :class:`lamina.computenode.server.ReplicaServer` (a replica process or actor: inbox of
+channel messages) and :class:`lamina.instance.inproc.InProcessReplicas` (the engine's process:
+in-process memory nodes). See ``docs/architecture.md`` for one iteration end to end.
+
+A slice is ready when its context is here and, past slice 0, every ATTEND part of the previous
+layer has its RESULT. Running it merges those results exactly (log-sum-exp), runs the slice
+(or lands it, pre-launched behind a device flag: :mod:`lamina.computenode.polling`), then sends
+the layer's ATTENDs with ``reply_to`` the peer id of the replica that runs the next slice, or
+samples after the last slice. Timeline spans (compute: ``slice k``, ``send``, ``recv`` (the
+merge), ``slice k + sample``; memory: ``attend k``) go to the ``span`` callback.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from lamina.computenode.attend import attend_messages, join_results, merge_results
+from lamina.computenode.polling import Prelaunched
+from lamina.computenode.replica import ComputeReplica
+from lamina.computenode.schedule import replica_for
+from lamina.config import PipelineConfig
+from lamina.splitter.slices import ATTN_OUT
+from lamina.types import AttendMsg, AttendResult, NodeRoute, PrepareMsg, SamplingParams, StepPlan
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch as the replicas of one process see it. ``k`` is the next slice to run here
+    once ``values`` (its context) and layer ``k-1``'s results (``parts`` ATTENDs per route)
+    are in; ``uniforms`` are the engine's sampling draws (None: the replica's sampler draws)."""
+
+    plan: StepPlan
+    routes: list[NodeRoute]
+    req_ids: list[int]
+    params: list[SamplingParams]
+    uniforms: torch.Tensor | None = None
+    k: int = -1
+    values: dict[str, torch.Tensor] | None = None
+    parts: list[int] = field(default_factory=list)
+    results: dict[int, list[list[AttendResult]]] = field(default_factory=dict)  # layer -> route
+    ahead: Prelaunched | None = None  # slice k, enqueued before layer k-1's results (polling)
+    sent: int = -1  # order in which layer k-1's ATTENDs went out (-1: none outstanding here)
+    sent_ns: int = 0  # when they were out (time.perf_counter_ns)
+    received_ns: int = 0  # when the latest RESULT came in
+
+    @property
+    def step_id(self) -> int:
+        return self.plan.step_id
+
+    @property
+    def slot(self) -> int:
+        return self.plan.micro_batch
+
+
+class Port(Protocol):
+    """Where a runner's output goes (the driver's channels or in-process clients). A call
+    that cannot deliver raises; the runner lets it propagate."""
+
+    def to_node(self, node: int, msg: PrepareMsg | AttendMsg) -> None: ...
+
+    def to_next(self, mb: MicroBatch, values: dict[str, torch.Tensor], parts: list[int]) -> None: ...
+
+    def to_engine(self, mb: MicroBatch, tokens: list[int]) -> None: ...
+
+    def failed(self, mb: MicroBatch, error: Exception) -> None:
+        """``mb`` failed here (a slice or the sampler raised); the runner has dropped it."""
+
+
+# role, track, name, start, end, micro-batch (a memory span's: the layer's sent_ns, received_ns)
+Span = Callable[[str, int, str, int, int, MicroBatch], None]
+
+
+class SliceRunner:
+    """Micro-batches on ``replicas`` under ``pipeline``; see the module docstring.
+
+    ``mbs``: step id -> micro-batch, in age order. ``peer_base`` + replica index is a replica's
+    peer id on the memory nodes (``reply_to``). ``polling``: pre-launch each next slice that
+    stays here (:func:`lamina.computenode.polling.make_polling`; None: off)."""
+
+    def __init__(self, replicas: dict[int, ComputeReplica], pipeline: PipelineConfig, port: Port,
+                 *, peer_base: int = 0, polling=None, span: Span | None = None) -> None:
+        self.replicas = replicas
+        self.pipeline = pipeline
+        self.port = port
+        self.peer_base = peer_base
+        self.polling = polling
+        self.span = span
+        self.mbs: dict[int, MicroBatch] = {}
+        self.waiting: dict[int, MicroBatch] = {}  # ATTENDs out, results not all used: by ``sent``
+        self._all_here = len(replicas) == pipeline.replicas  # every slice runs in this process
+        self._sent = itertools.count()
+
+    def replica_of(self, mb: MicroBatch, k: int) -> int:
+        """The replica that runs slice ``k`` of ``mb``."""
+        p = self.pipeline
+        return replica_for(p.schedule, mb.slot, k, p.replicas)
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def start(self, mb: MicroBatch) -> None:
+        """Take ``mb``; where slice 0 runs here, send its PREPAREs and make its context."""
+        self.mbs[mb.step_id] = mb
+        first = self.replica_of(mb, 0)
+        if first in self.replicas:
+            for route in mb.routes:
+                self.port.to_node(route.node, PrepareMsg(mb.step_id, route.works))
+            mb.values, mb.k = self.replicas[first].begin(mb.plan), 0
+
+    def on_context(self, mb: MicroBatch, k: int, values: dict[str, torch.Tensor],
+                   parts: list[int]) -> None:
+        """``mb``'s context for slice ``k``, from the replica that ran slice ``k-1``."""
+        mb.values, mb.k, mb.parts = values, k, list(parts)
+
+    def on_result(self, mb: MicroBatch, route: int, result: AttendResult) -> None:
+        """One RESULT of ``mb`` from the node of ``mb.routes[route]``, for ``result.layer``."""
+        per_route = mb.results.setdefault(result.layer, [[] for _ in mb.routes])
+        per_route[route].append(result)
+        mb.received_ns = time.perf_counter_ns()
+
+    def drop(self, step_id: int) -> MicroBatch | None:
+        """Forget a micro-batch; a slice pre-launched for it runs on garbage so its stream moves."""
+        mb = self.mbs.pop(step_id, None)
+        if mb is not None:
+            self.waiting.pop(mb.sent, None)
+            if mb.ahead is not None:
+                self.polling.release(mb.ahead)
+                mb.ahead = None
+        return mb
+
+    # -- running --------------------------------------------------------------------------------
+    def ready(self, mb: MicroBatch) -> bool:
+        if mb.values is None or not (self._all_here or self.replica_of(mb, mb.k) in self.replicas):
+            return False
+        if mb.k == 0:
+            return True
+        got = mb.results.get(mb.k - 1)
+        return got is not None and [len(p) for p in got] == mb.parts
+
+    def outstanding(self) -> MicroBatch | None:
+        """The micro-batch whose ATTENDs went out first and whose slice has not run on their
+        results yet (with none ready, the one at the head of every node's queue)."""
+        return next(iter(self.waiting.values()), None)
+
+    def next_ready(self) -> MicroBatch | None:
+        """The oldest micro-batch with a slice ready to run here."""
+        return next((mb for mb in self.mbs.values() if self.ready(mb)), None)
+
+    def run_ready(self) -> None:
+        """Run ready slices, oldest micro-batch first, until none is ready."""
+        while (mb := self.next_ready()) is not None:
+            self.run(mb)
+
+    def run(self, mb: MicroBatch) -> None:
+        """Run (or, pre-launched, land) slice ``mb.k`` on its replica, then send its ATTENDs,
+        or sample and hand the tokens to the engine. With polling, all of a micro-batch's
+        device work runs on its slot's stream."""
+        if self.polling is None:
+            self._run(mb)
+        else:
+            with self.polling.stream(mb.slot):
+                self._run(mb)
+
+    def _run(self, mb: MicroBatch) -> None:
+        k, plan = mb.k, mb.plan
+        here = self.replica_of(mb, k)
+        replica = self.replicas[here]
+        ahead, mb.ahead = mb.ahead, None
+        self.waiting.pop(mb.sent, None)
+        t0 = time.perf_counter_ns()
+        try:
+            o = None
+            if k > 0:
+                o = self._merge(mb, here)
+                if ahead is None:
+                    mb.values[ATTN_OUT] = o
+            t1 = time.perf_counter_ns()
+            if ahead is not None:  # enqueued when the ATTENDs went out: land o, release it
+                context, qkv, logits = self.polling.land(ahead, o)
+            else:
+                context, qkv, logits = replica.run_slice(k, mb.values)
+            tokens = None if context is not None else \
+                replica.sample(logits, mb.req_ids, mb.params, mb.uniforms).tolist()
+        except Exception as e:  # noqa: BLE001 -- this micro-batch fails; the others go on
+            self.drop(mb.step_id)
+            self.port.failed(mb, e)
+            return
+        t2 = time.perf_counter_ns()
+        tag = " (landed)" if ahead is not None else ""
+        if k > 0 and self.span is not None:
+            self.span("compute", here, "recv", t0, t1, mb)
+        if tokens is not None:
+            if self.span is not None:
+                self.span("compute", here, f"slice {k} + sample{tag}", t1, t2, mb)
+            del self.mbs[mb.step_id]
+            mb.values, mb.sent = None, -1
+            self.port.to_engine(mb, tokens)
+            return
+        nxt = self.replica_of(mb, k + 1)
+        msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=self.peer_base + nxt,
+                               parts=self.pipeline.attn_parts)
+        for route, route_msgs in zip(mb.routes, msgs):
+            for m in route_msgs:
+                self.port.to_node(route.node, m)
+        parts = [len(m) for m in msgs]
+        mb.sent, mb.sent_ns = next(self._sent), time.perf_counter_ns()
+        self.waiting[mb.sent] = mb
+        if nxt in self.replicas:
+            mb.values, mb.k, mb.parts = context, k + 1, parts
+            if self.polling is not None:
+                self._prelaunch(mb, nxt, qkv[0])
+        else:
+            mb.values = None
+            self.port.to_next(mb, context, parts)
+        if self.span is not None:
+            self.span("compute", here, f"slice {k}{tag}", t1, t2, mb)
+            self.span("compute", here, "send", t2, time.perf_counter_ns(), mb)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _merge(self, mb: MicroBatch, here: int) -> torch.Tensor:
+        """Layer ``k-1``'s attention output ``o[T,H,Dv]`` from every node's RESULTs."""
+        results = mb.results.pop(mb.k - 1)
+        if self.span is not None:
+            for route, parts in zip(mb.routes, results):
+                for i, res in enumerate(parts):
+                    if res.span_ns:
+                        self.span("memory", route.node, f"attend {mb.k - 1}" +
+                                  (f".{i}" if len(parts) > 1 else ""), *res.span_ns, mb)
+        return merge_results(mb.routes, [join_results(p) for p in results],
+                             mb.plan.num_tokens).contiguous()
+
+    def _prelaunch(self, mb: MicroBatch, replica: int, q: torch.Tensor) -> None:
+        """Enqueue slice ``mb.k`` now, reading an attention output not yet here (polling)."""
+        k, values, run_slice = mb.k, mb.values, self.replicas[replica].run_slice
+
+        def run(o: torch.Tensor):
+            return run_slice(k, {**values, ATTN_OUT: o})
+
+        try:
+            mb.ahead = self.polling.prelaunch(mb.slot, q, run)
+        except Exception as e:  # noqa: BLE001
+            self.drop(mb.step_id)
+            self.port.failed(mb, e)
