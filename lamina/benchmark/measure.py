@@ -68,14 +68,16 @@ class RunResult:
 @dataclass
 class GridPoint:
     """Decode throughput of ``batch`` requests at ``context`` prompt tokens. ``fits`` is False
-    (and the timings NaN) when the cell needs more KV than the system holds."""
+    (and the timings NaN) when the cell needs more KV than the system holds; ``note`` says why
+    a cell that fits was not measured (timings NaN then too)."""
 
     system: str
     batch: int
     context: int
     fits: bool
     throughput: float = math.nan  # decode tokens/s
-    token_latency_s: float = math.nan  # one decode step
+    token_latency_s: float = math.nan  # time between two tokens of one request
+    note: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,34 +168,57 @@ def run_trace(llm, trace: list[TraceRequest], system: str, *, parallel_nodes: bo
 
 
 def run_grid_cell(llm, cell: GridCell, system: str, capacity: int) -> GridPoint:
-    """Decode throughput of ``cell`` on ``llm``: all requests start together; only steps in
-    which every request decodes (after the last prefill) count. ``capacity``: the system's KV
-    slots; a cell that needs more is reported as not fitting (not run)."""
-    if cell.kv_tokens > capacity or cell.batch > llm.config.scheduler.max_num_seqs:
+    """Decode throughput of ``cell`` on ``llm`` with the whole batch decoding. The requests
+    start together and ask for more tokens than the cell needs, so the first ones prefilled
+    keep decoding while the last are prefilled; once every request has its first token, the
+    steps that give each request ``new_tokens - 1`` more are timed, then the requests are
+    aborted (their KV freed) and the engine drained. ``capacity``: the system's KV slots; a
+    cell that needs more, or more requests than ``max_num_seqs``, is reported as not fitting
+    (not run). A cell whose requests end before that (their room in the context or the KV ran
+    out while the batch was still filling) is reported with the reason in ``note``."""
+    sched = _engines(llm)[0].scheduler
+    if cell.kv_tokens > capacity or cell.batch > sched.config.max_num_seqs:
         return GridPoint(system, cell.batch, cell.context, False)
+    # each request may use its share of the KV (so none is preempted) within the context
+    room = capacity // cell.batch - cell.context
+    if sched.config.max_model_len is not None:
+        room = min(room, sched.config.max_model_len - cell.context)
     engine = llm.deployment
-    reqs = [engine.add_request(list(r.prompt_ids), _params(r.output_len))
+    reqs = [engine.add_request(list(r.prompt_ids), _params(room))
             for r in cell.requests(_engines(llm)[0].vocab_size or 2)]
-    steps: list[tuple[float, int]] = []
-    while engine.has_work():
-        t = time.perf_counter()
-        out = engine.step()
-        steps.append((time.perf_counter() - t, len(out.new_tokens)))
-    for r in reqs:
-        engine.forget(r.req_id)
-        if r.error is not None:
-            raise RuntimeError(f"{system}: grid request failed: {r.error}")
-    first_full = next((i for i, (_, n) in enumerate(steps) if n == cell.batch), None)
-    if first_full is None:
-        raise ValueError(f"{system}: no step decoded all {cell.batch} requests of {cell.context} tokens: "
-                         f"the first finished its {cell.new_tokens} tokens before the last prompt was "
-                         "prefilled (raise --max-num-batched-tokens or --new-tokens)")
-    decode = [(dt, n) for dt, n in steps[first_full + 1:] if n == cell.batch]
-    if not decode:  # new_tokens == 2: the only full step also finished the prefill
-        decode = steps[first_full:first_full + 1]
-    dt = sum(d for d, _ in decode)
-    return GridPoint(system, cell.batch, cell.context, True, sum(n for _, n in decode) / dt,
-                     dt / len(decode))
+    ids = {r.req_id for r in reqs}
+    full: dict[int, int] | None = None  # each request's output length once all decode
+    timed_s, timed_tokens, note = 0.0, 0, ""
+    try:
+        while engine.has_work():
+            t = time.perf_counter()
+            out = engine.step()
+            dt = time.perf_counter() - t
+            if full is not None:
+                timed_s += dt
+                timed_tokens += sum(rid in ids for rid in out.new_tokens)
+                if all(len(r.output_ids) - full[r.req_id] >= cell.new_tokens - 1 for r in reqs):
+                    break
+            elif all(r.output_ids for r in reqs):
+                full = {r.req_id: len(r.output_ids) for r in reqs}
+            ended = next((r for r in reqs if r.finished), None)
+            if ended is not None:
+                note = (f"request {ended.req_id} ended ({ended.error or ended.finish_reason}) after "
+                        f"{len(ended.output_ids)} tokens, before the whole batch had decoded "
+                        f"{cell.new_tokens} tokens together")
+                break
+    finally:
+        for r in reqs:
+            engine.abort(r, RuntimeError("grid cell measured"))
+        while engine.has_work():
+            engine.step()
+        for r in reqs:
+            engine.forget(r.req_id)
+    if note or not timed_tokens:
+        return GridPoint(system, cell.batch, cell.context, True, note=note or "no decode step timed")
+    per_request = timed_tokens / cell.batch  # tokens each request got in the timed steps
+    return GridPoint(system, cell.batch, cell.context, True, timed_tokens / timed_s,
+                     timed_s / per_request)
 
 
 def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

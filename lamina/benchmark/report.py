@@ -60,12 +60,14 @@ class BenchReport:
     cost: list[CostPoint] = field(default_factory=list)
     plans: list[dict] = field(default_factory=list)  # top constrained plans (plan_cli.as_dict)
     plan_note: str = ""  # model, context and constraints of ``plans``, or why there are none
+    failures: dict[str, str] = field(default_factory=dict)  # system -> the error that stopped it
 
     def to_dict(self) -> dict:
         return {"config": self.config, "trace": [r.to_dict() for r in self.trace],
                 "grid": [g.to_dict() for g in self.grid], "capacity": self.capacity,
                 "largest_batch": {s: {str(c): b for c, b in v.items()} for s, v in self.fits.items()},
-                "cost": [asdict(c) for c in self.cost], "plans": self.plans, "plan_note": self.plan_note}
+                "cost": [asdict(c) for c in self.cost], "plans": self.plans, "plan_note": self.plan_note,
+                "failures": self.failures}
 
 
 def _point(context: int, p: Candidate) -> CostPoint:
@@ -120,6 +122,12 @@ def _ms(x: float) -> str:
     return _fmt(x * 1e3 if x == x else x, 1)
 
 
+def _cell(g: GridPoint | None, notes: list[GridPoint]) -> str:
+    if g is None or not g.fits:
+        return "-"
+    return f"n/m [{next(k for k, n in enumerate(notes, 1) if n is g)}]" if g.note else _fmt(g.throughput)
+
+
 def markdown(rep: BenchReport) -> str:
     c = rep.config
     lines = [f"# lamina bench: {c.get('model')}", "",
@@ -145,17 +153,23 @@ def markdown(rep: BenchReport) -> str:
             for e in r.errors[:3]:
                 lines.append(f"\n- {r.system} error: {e}")
         lines.append("")
+    if rep.failures:
+        lines += ["## Systems that failed", ""]
+        lines += [f"- {s}: {e}" for s, e in rep.failures.items()] + [""]
     if rep.grid:
-        lines += ["## Decode throughput vs batch (tokens/s; `-` = does not fit)", ""]
+        lines += ["## Decode throughput vs batch (tokens/s; `-` = does not fit; `n/m [k]` = not "
+                  "measured, note k)", ""]
         systems = list(dict.fromkeys(g.system for g in rep.grid))
         lines += ["| context | batch | " + " | ".join(systems) + " |", "|---" * (2 + len(systems)) + "|"]
+        notes = [g for g in rep.grid if g.note]
         cells = sorted({(g.context, g.batch) for g in rep.grid})
         for ctx, b in cells:
             row = [next((g for g in rep.grid if (g.system, g.context, g.batch) == (s, ctx, b)), None)
                    for s in systems]
-            lines.append(f"| {ctx} | {b} | " + " | ".join(
-                "-" if g is None or not g.fits else _fmt(g.throughput) for g in row) + " |")
+            lines.append(f"| {ctx} | {b} | " + " | ".join(_cell(g, notes) for g in row) + " |")
         lines.append("")
+        lines += [f"{k}. {g.system}, batch {g.batch}, context {g.context}: {g.note}"
+                  for k, g in enumerate(notes, 1)] + ([""] if notes else [])
     if rep.fits:
         lines += ["## Largest batch that fits (KV slots / (context + new tokens), capped by max_num_seqs)", "",
                   "| system | KV slots | " + " | ".join(f"ctx {k}" for k in next(iter(rep.fits.values()))) + " |",
@@ -198,7 +212,7 @@ def _throughput_vs_batch(rep: BenchReport, ax) -> None:
     for s in dict.fromkeys(g.system for g in rep.grid):
         for ctx in sorted({g.context for g in rep.grid}):
             pts = sorted((g.batch, g.throughput) for g in rep.grid
-                         if g.system == s and g.context == ctx and g.fits)
+                         if g.system == s and g.context == ctx and g.fits and not g.note)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{s}, ctx {ctx}")
     ax.set(xlabel="batch (requests)", ylabel="decode tokens/s", title="Throughput vs batch")
@@ -230,7 +244,8 @@ def _throughput_per_dollar(rep: BenchReport, ax) -> None:
 
 
 # (file name, has data?, draw): a plot is written only when its part of the report has data
-PLOTS = [("throughput_vs_batch.png", lambda r: any(g.fits for g in r.grid), _throughput_vs_batch),
+PLOTS = [("throughput_vs_batch.png", lambda r: any(g.fits and not g.note for g in r.grid),
+          _throughput_vs_batch),
          ("latency_breakdown.png", lambda r: bool(r.trace), _latency_breakdown),
          ("throughput_per_dollar.png", lambda r: bool(r.cost), _throughput_per_dollar)]
 

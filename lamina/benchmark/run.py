@@ -42,9 +42,11 @@ def add_parser(sub) -> None:
                    help="only print the recommended deployment for --budget (see `lamina bench --plan --help`)")
     b.add_argument("--workload", default="mixed", choices=[*TRACE_KINDS, "grid"])
     b.add_argument("--report", required=True, metavar="DIR", help="folder for report.md, results.json, PNGs")
-    b.add_argument("--requests", type=int, default=32, help="requests in the trace")
+    # the defaults are sized for the builtin model on a small CPU (a few minutes in all); on
+    # real hardware raise --requests and --scale (1: the workloads' published lengths)
+    b.add_argument("--requests", type=int, default=16, help="requests in the trace")
     b.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (inf: all at once)")
-    b.add_argument("--scale", type=float, default=1.0, help="multiply trace lengths (CPU runs: < 1)")
+    b.add_argument("--scale", type=float, default=0.25, help="multiply trace lengths (1: as published)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32], help="grid batch sizes (none: no grid)")
     b.add_argument("--contexts", type=int, nargs="+", default=[128, 512], help="grid prompt lengths")
@@ -84,23 +86,17 @@ def _machine(device: str) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lamina.llm import LLM
-    from lamina.benchmark.measure import hf_grid_cell, hf_trace, run_grid_cell, run_trace
     from lamina.costmodel.hardware import load_catalog
     from lamina.costmodel.plan_cli import resolve_model
-    from lamina.models import ModelLoadError, load_model
+    from lamina.models import ModelLoadError
     from lamina.benchmark.report import BenchReport, cost_curves, markdown, top_plans, write_report
-    from lamina.benchmark.workloads import grid, synthetic_trace
+    from lamina.benchmark.workloads import grid
 
     try:
         _check(args)
         cells = grid(args.batches, args.contexts, args.new_tokens) if args.batches else []
         limits = Constraints(max_devices=args.max_devices, devices_per_node=args.devices_per_node,
                              nic_bw=args.nic, tbt_slo=args.tbt_slo)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
         lamina_cfg = config_from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -114,43 +110,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rep = BenchReport(config={**vars(args), "func": None, "machine": _machine(args.device),
                               "command": "lamina " + shlex.join(sys.argv[1:]),
                               "date": time.strftime("%Y-%m-%d %H:%M")})
-    trace, vocab, pad = [], 2, 0
+    shared: dict = {"trace": [], "vocab": 2, "pad": 0}
     phases = tqdm(total=len(systems) + ("hf" in args.baselines), desc="bench", unit="system")
     for name, kw in systems:
         phases.set_postfix_str(name)
         try:
-            llm = LLM(**kw)
+            _measure_system(rep, name, kw, args, cells, shared)
         except (ValueError, ModelLoadError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        with llm:
-            engines = [x.engine for x in llm.deployment.instances]
-            eng = engines[0]
-            vocab = eng.vocab_size or 2
-            cap = sum(e.scheduler.total_capacity for e in engines)
-            pad = getattr(llm.tokenizer, "pad_token_id", None) or 0
-            if args.workload != "grid" and not trace:
-                trace = synthetic_trace(args.workload, args.requests, args.rate, vocab, seed=args.seed,
-                                        scale=args.scale, max_context=eng.scheduler.config.max_model_len)
-            rep.capacity[name] = cap
-            rep.fits[name] = {c: min(cap // (c + args.new_tokens), args.max_num_seqs) for c in args.contexts}
-            llm.generate([[min(100, vocab - 1)] * 4], use_tqdm=False)  # warm-up: first-call costs
-            if trace:
-                rep.trace.append(run_trace(llm, trace, name, parallel_nodes=llm.config.instance.placement != "inproc"))
-            for cell in tqdm(cells, desc=f"{name} grid", unit="cell", leave=False):
-                try:
-                    rep.grid.append(run_grid_cell(llm, cell, name, cap))
-                except ValueError as e:
-                    print(f"error: {e}", file=sys.stderr)
-                    return 2
+            if not rep.trace and not rep.grid:  # a setting or model that cannot run: a usage error
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            _failed(rep, name, e)
+        except Exception as e:  # noqa: BLE001 -- what the other systems measured is kept
+            _failed(rep, name, e)
         phases.update(1)
     if "hf" in args.baselines:
         phases.set_postfix_str("hf")
-        model = load_model(args.model, device=args.device).model
-        if trace:
-            rep.trace.insert(0, hf_trace(model, trace, pad, args.max_num_seqs))
-        for cell in tqdm(cells, desc="hf grid", unit="cell", leave=False):
-            rep.grid.append(hf_grid_cell(model, cell, pad, vocab))
+        try:
+            _measure_hf(rep, args, cells, shared)
+        except Exception as e:  # noqa: BLE001
+            _failed(rep, "hf", e)
         phases.update(1)
     phases.close()
     try:  # the cost report plans for the model's shapes in bf16, as `lamina plan` does
@@ -168,5 +147,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     paths = write_report(rep, args.report)
     print(markdown(rep))
     print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
+    return 1 if rep.failures else 0
+
+
+def _failed(rep, system: str, e: BaseException) -> None:
+    rep.failures[system] = f"{type(e).__name__}: {e}"
+    print(f"error: {system}: {rep.failures[system]} (the report keeps what was measured)",
+          file=sys.stderr)
+
+
+def _measure_system(rep, name: str, kw: dict, args: argparse.Namespace, cells: list,
+                    shared: dict) -> None:
+    """Start system ``name`` as ``LLM(**kw)`` and measure it on the trace (drawn by the first
+    system, then shared) and on every grid cell; a cell that fails is kept with its reason."""
+    from lamina.llm import LLM
+    from lamina.benchmark.measure import GridPoint, run_grid_cell, run_trace
+    from lamina.benchmark.workloads import synthetic_trace
+
+    with LLM(**kw) as llm:
+        engines = [x.engine for x in llm.deployment.instances]
+        eng = engines[0]
+        shared["vocab"] = vocab = eng.vocab_size or 2
+        cap = sum(e.scheduler.total_capacity for e in engines)
+        shared["pad"] = getattr(llm.tokenizer, "pad_token_id", None) or 0
+        if args.workload != "grid" and not shared["trace"]:
+            shared["trace"] = synthetic_trace(args.workload, args.requests, args.rate, vocab,
+                                              seed=args.seed, scale=args.scale,
+                                              max_context=eng.scheduler.config.max_model_len)
+        rep.capacity[name] = cap
+        rep.fits[name] = {c: min(cap // (c + args.new_tokens), args.max_num_seqs) for c in args.contexts}
+        llm.generate([[min(100, vocab - 1)] * 4], use_tqdm=False)  # warm-up: first-call costs
+        if shared["trace"]:
+            rep.trace.append(run_trace(llm, shared["trace"], name,
+                                       parallel_nodes=llm.config.instance.placement != "inproc"))
+        for cell in tqdm(cells, desc=f"{name} grid", unit="cell", leave=False):
+            try:
+                rep.grid.append(run_grid_cell(llm, cell, name, cap))
+            except Exception as e:  # noqa: BLE001 -- the other cells go on
+                rep.grid.append(GridPoint(name, cell.batch, cell.context, True,
+                                          note=f"{type(e).__name__}: {e}"))
+
+
+def _measure_hf(rep, args: argparse.Namespace, cells: list, shared: dict) -> None:
+    """The Hugging Face ``generate`` baseline on the same trace and cells."""
+    from lamina.benchmark.measure import hf_grid_cell, hf_trace
+    from lamina.models import load_model
+
+    model = load_model(args.model, device=args.device).model
+    if shared["trace"]:
+        rep.trace.insert(0, hf_trace(model, shared["trace"], shared["pad"], args.max_num_seqs))
+    for cell in tqdm(cells, desc="hf grid", unit="cell", leave=False):
+        rep.grid.append(hf_grid_cell(model, cell, shared["pad"], shared["vocab"]))
 

@@ -112,3 +112,54 @@ def test_lamina_bench_plan(capsys):
     out = capsys.readouterr().out
     assert "Recommended:" in out and "Why:" in out
     assert main(["bench", "--plan", "--model", "llama-13b", "--budget", "10"]) == 2
+
+
+@pytest.fixture(scope="module")
+def long_folder(tmp_path_factory):
+    """A tiny llama whose context holds the default grid's longest cell (512 + decode)."""
+    import transformers
+    from tiny_models import COMMON
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 2048},
+                                   num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    folder = tmp_path_factory.mktemp("llama2k")
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def test_lamina_bench_default_grid_measures_every_cell(long_folder, tmp_path):
+    """The default grid (batches 1 8 32 x contexts 128 512, 16 new tokens, 512 tokens a step):
+    32 prompts of 512 tokens take 32 prefill steps, longer than one request's 16 tokens, and
+    every cell still gets a number on every system."""
+    out = tmp_path / "rep"
+    assert main(["bench", "--model", long_folder, "--placement", "inproc", "--requests", "3",
+                 "--scale", "0.05", "--report", str(out)]) == 0
+    assert {"report.md", "results.json", "throughput_vs_batch.png",
+            "latency_breakdown.png"} <= {p.name for p in out.iterdir()}
+    res = json.loads((out / "results.json").read_text())
+    cells = {(g["system"], g["batch"], g["context"]): g for g in res["grid"]}
+    assert set(cells) == {(s, b, c) for s in ("lamina", "homogeneous", "hf")
+                          for b in (1, 8, 32) for c in (128, 512)}
+    for g in cells.values():
+        assert g["fits"] and not g["note"] and g["throughput"] > 0 and g["token_latency_s"] > 0
+    assert not res["failures"] and "n/m [1]" not in (out / "report.md").read_text()
+
+
+def test_a_cell_that_cannot_be_measured_keeps_its_reason_and_the_rest(folder, tmp_path):
+    """On a 128-token model a 120-token prompt has room for 7 tokens: its cell is reported
+    with the reason, and every other cell and the report are still written."""
+    out = tmp_path / "rep"
+    assert main(["bench", "--model", folder, "--workload", "grid", "--batches", "1", "2",
+                 "--contexts", "8", "120", "--new-tokens", "9", "--placement", "inproc",
+                 "--baselines", "--report", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    by_ctx = {(g["batch"], g["context"]): g for g in res["grid"]}
+    assert all(by_ctx[(b, 8)]["throughput"] > 0 for b in (1, 2))
+    for b in (1, 2):
+        assert "ended (length)" in by_ctx[(b, 120)]["note"]
+    md = (out / "report.md").read_text()
+    assert "n/m [1]" in md and "1. lamina, batch 1, context 120: request" in md
