@@ -1,4 +1,4 @@
-"""Attention kernels over a paged KV pool (DESIGN.md §4).
+"""Attention kernels over a paged KV pool.
 
 ``paged_attention`` and ``merge_states`` pick their implementation by device: the Triton
 kernels on CUDA (or anywhere with ``LAMINA_KERNELS=triton``, e.g. under ``TRITON_INTERPRET=1``),

@@ -1,4 +1,4 @@
-"""Choice between the Triton kernels and the torch paths (DESIGN.md §4).
+"""Choice between the Triton kernels and the torch paths.
 
 ``LAMINA_KERNELS`` (read at every call) selects the implementation:
 

@@ -1,6 +1,6 @@
 """Torch reference attention over a paged KV pool: the CPU implementation and the test oracle.
 
-Contracts (DESIGN.md §4, shared with the Triton implementation):
+Contracts (shared with the Triton implementation):
 
 * ``q[T,H,D]``: new queries of R requests, request r owning rows ``qo_indptr[r]:qo_indptr[r+1]``.
 * ``k_pool/v_pool[S,Hkv,D]``: one layer of a KV pool; slot ``s`` holds one token.

@@ -1,4 +1,4 @@
-"""Vectorised torch paged attention with padded ``bmm`` (DESIGN.md §4).
+"""Vectorised torch paged attention with padded ``bmm``.
 
 On CPU the default path is :mod:`lamina.kernels.torch_sparse`, which hands this module its
 prefill chunks and every input it does not take (other devices, non-float32 pools).

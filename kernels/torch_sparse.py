@@ -1,4 +1,4 @@
-"""Sparse-op torch paged attention: the default CPU path (DESIGN.md §4).
+"""Sparse-op torch paged attention: the default CPU path.
 
 Same contract as :func:`lamina.kernels.reference.paged_attention_ref`. Decode (and most
 extend) queries are computed without gathering K/V into a padded buffer, with two stock

@@ -1,4 +1,4 @@
-"""Triton paged attention with split-KV (flash-decoding), DESIGN.md §4.
+"""Triton paged attention with split-KV (flash-decoding).
 
 Contract: exactly :func:`lamina.kernels.reference.paged_attention_ref` — ``q[T,H,D]``,
 ``k_pool/v_pool[S,Hkv,D]``, CSR ``qo_indptr[R+1]``, ``kv_indptr[R+1]``, ``kv_indices[N]``,

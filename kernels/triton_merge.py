@@ -1,4 +1,4 @@
-"""Triton log-sum-exp merge of partial attention states (DESIGN.md §4).
+"""Triton log-sum-exp merge of partial attention states.
 
 One kernel, :func:`_merge_kernel`, serves two callers:
 

@@ -1,4 +1,4 @@
-"""Devices a role owns (DESIGN.md §4): ``cpu`` (no pinning), ``cpu:0``, ``cpu:1-7``,
+"""Devices a role owns: ``cpu`` (no pinning), ``cpu:0``, ``cpu:1-7``,
 ``cpu:0,2,4-5`` (these cores), ``cuda`` / ``cuda:0`` (that GPU).
 
 A role that owns cores pins itself to them (``sched_setaffinity``) and sizes torch's thread

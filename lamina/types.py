@@ -1,4 +1,4 @@
-"""Plain data shared across packages (DESIGN.md §2).
+"""Plain data shared across packages.
 
 `memnode` and `computenode` never import each other; they meet through these dataclasses and
 the wire protocol in `lamina.transport`. Everything here is plain data: no behaviour beyond
@@ -73,7 +73,7 @@ class StepPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory-node messages (DESIGN.md §3-§4). Tensors are CPU or device tensors owned by the sender
+# Memory-node messages. Tensors are CPU or device tensors owned by the sender
 # until the receiver returns; the receiver copies what it keeps.
 # ---------------------------------------------------------------------------------------------
 

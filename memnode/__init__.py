@@ -1,4 +1,4 @@
-"""Memory node: KV pool, slab allocator and the memory-node service logic (DESIGN.md §4)."""
+"""Memory node: KV pool, slab allocator and the memory-node service logic."""
 from lamina.memnode.allocator import OutOfSlots, SlabAllocator, SlotError
 from lamina.memnode.kv_pool import KVPool, available_memory
 from lamina.memnode.node import MemoryNode, RequestBusy, UnknownRequest, UnknownStep

@@ -1,4 +1,4 @@
-"""MemoryNode: the memory-node service logic, independent of any transport (DESIGN.md §3-§4).
+"""MemoryNode: the memory-node service logic, independent of any transport.
 
 A node owns one :class:`KVPool` and its :class:`SlabAllocator`, holds at most one shard (a
 contiguous position range) per request, and answers plain method calls taking and returning

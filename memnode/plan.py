@@ -2,7 +2,7 @@
 
 For a step with works ``w_0 .. w_{R-1}`` (one per request, in plan order) the node holds, after
 the step's appends, request r's keys at positions ``[ks_r, ke_r)`` in slots ``slots_r``. Its
-queries are positions ``[qs_r, qe_r)``. The kernel sees (DESIGN.md §4, CSR form):
+queries are positions ``[qs_r, qe_r)``. The kernel sees (CSR form):
 
 * ``qo_indptr[R+1]``: cumulative ``num_q``; ``q_positions[Tq]``: absolute query positions.
 * per distinct sliding window ``w`` of the model's layers, ``kv_indptr[R+1]``,

@@ -11,7 +11,7 @@ Channels: the *primary* one, opened by whoever started the node (the engine's: P
 requests, FREE, STATS, EXPORT/IMPORT, OPEN), and one *peer* channel per compute replica that
 reaches the node (its own instance's replicas and, with borrowing, other instances'). On a peer
 channel an ATTEND's reply goes to the peer named by its ``reply_to`` (the replica that runs the
-micro-batch's next slice, DESIGN.md §6); every other reply goes to the sender. One lock
+micro-batch's next slice); every other reply goes to the sender. One lock
 serialises the node and every send on a peer channel, so each ring has one producer. The server
 exits when the primary channel's peer is gone, so it never outlives the engine.
 """

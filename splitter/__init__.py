@@ -1,4 +1,4 @@
-"""Model splitter: cut a model at its attention operators (DESIGN.md §4).
+"""Model splitter: cut a model at its attention operators.
 
 ``split_model(model) -> SplitModel`` exports the model with ``torch.export`` over flattened tokens,
 builds a ``networkx`` graph weighted by bytes per token, and takes a minimum cut at each attention.

@@ -145,7 +145,7 @@ class SplitModel:
 
 
 def split_model(model: torch.nn.Module) -> SplitModel:
-    """Export ``model`` and cut it at every attention (DESIGN.md §4)."""
+    """Export ``model`` and cut it at every attention."""
     program = export_program(model)
     gm = unlift(program)
     return SplitModel(program, partition(gm), source=model, graph=gm)

@@ -1,4 +1,4 @@
-"""Cluster borrowing across memory pools: the control plane (Infinite-LLM §5-6, DESIGN.md §6).
+"""Cluster borrowing across memory pools: the control plane (Infinite-LLM §5-6).
 
 Every instance (engine + memory pool) has an :class:`RManager`; one :class:`GManager` (a Ray
 actor via :func:`start_gmanager`, or a plain object in this process) keeps the request placement

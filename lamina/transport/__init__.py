@@ -1,4 +1,4 @@
-"""Transport: the wire protocol and the channel backends (DESIGN.md §5).
+"""Transport: the wire protocol and the channel backends.
 
 * :mod:`~lamina.transport.wire`  - ``Message``, ``MsgKind``, ``encode``/``decode``,
   ``WireLimits``, ``WireError``. No pickle on the data plane. :mod:`~lamina.transport.stream`:

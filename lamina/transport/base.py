@@ -1,4 +1,4 @@
-"""The Channel interface every transport backend implements (DESIGN.md §5).
+"""The Channel interface every transport backend implements.
 
 A :class:`Channel` is one end of a duplex, ordered, reliable message link between two peers:
 ``send`` delivers to the peer, ``recv`` returns what the peer sent, in order. Backends:

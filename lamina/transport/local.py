@@ -2,7 +2,7 @@
 
 No encoding and no tensor copy: the receiver gets the sender's tensor objects (same storage,
 same device - a CUDA tensor stays on CUDA), so the sender must not modify them after ``send``
-(DESIGN.md: tensors are owned by the sender until the receiver returns; the receiver copies
+(tensors are owned by the sender until the receiver returns; the receiver copies
 what it keeps). ``send`` still checks the message against the channel's :class:`WireLimits`
 and hands over a JSON round trip of ``meta``, so a message that works here works on every
 backend and arrives in the same form.

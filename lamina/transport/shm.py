@@ -1,5 +1,5 @@
 """Same-host backend: one single-producer/single-consumer byte ring per direction, each in its
-own POSIX shared-memory segment (DESIGN.md §5).
+own POSIX shared-memory segment.
 
 The ring protocol (streaming, head/tail, waiting flags, the C++ fast path) is
 :class:`lamina.transport.ring.RingChannel`; this module is its shared-memory memory: both ends

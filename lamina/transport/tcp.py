@@ -1,4 +1,4 @@
-"""Across hosts: the wire protocol over a TCP stream (DESIGN.md §5).
+"""Across hosts: the wire protocol over a TCP stream.
 
 ``send`` writes :func:`~lamina.transport.wire.encode`'s buffers with ``sendmsg`` (no copy into
 one big bytes object); ``recv`` fills a :class:`~lamina.transport.stream.StreamDecoder` with

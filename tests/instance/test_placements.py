@@ -1,4 +1,4 @@
-"""One instance type under three placements (DESIGN.md §4): the matrix placement x compute
+"""One instance type under three placements: the matrix placement x compute
 replicas x pipeline gives greedy output token-identical to transformers in float32, and
 borrowing (a request longer than one pool) works under every placement. In-process cases are
 fast; processes and Ray start real roles (slow)."""

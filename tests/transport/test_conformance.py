@@ -1,4 +1,4 @@
-"""One conformance suite for every Channel backend (DESIGN.md §5).
+"""One conformance suite for every Channel backend.
 
 Backends: ``local`` (in-process queue), ``shm_thread`` / ``shm_process`` (shared-memory rings),
 ``tcp_thread`` / ``tcp_process`` (a TCP connection over loopback), each with the peer in a
