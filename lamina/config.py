@@ -1,10 +1,12 @@
 """One configuration chain, passed down whole: model -> cache -> scheduler -> instance ->
 deployment (-> server, for ``lamina launch``). Defaults live here and nowhere else; ``LLM``,
-the CLI and the server build a :class:`DeploymentConfig` with :func:`deployment_config`.
+the CLI and the server build a :class:`DeploymentConfig` from flat settings named after its
+fields (:data:`SETTINGS`, :func:`deployment_config`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -219,25 +221,54 @@ class ServerConfig:
     max_queued_requests: int = 1024  # beyond the running ones; one more is answered 429
 
 
-def deployment_config(model: str = "smollm2", *, compute: int = 1, memory: int = 1,
-                      instances: int = 1, placement: str = "inproc", pipeline: str | None = None,
-                      micro_batches: int | None = None, attn_parts: int = 1,
-                      borrowing: bool = True, plan_every: int = 0, device: str = "cpu",
-                      memory_device: str | None = None, dtype: torch.dtype | str | None = None,
-                      kv_cache_gb: float = 1.0, kv_cache_tokens: int | None = None,
-                      slab_size: int = 256, max_num_seqs: int = 64,
-                      max_num_batched_tokens: int = 512, transport: str = "auto",
-                      address: str | None = None, cuda_graphs: bool = False,
-                      device_polling: str = "off") -> DeploymentConfig:
-    """The chain from flat keywords (what ``LLM(...)`` and the CLI take)."""
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
-    return DeploymentConfig(
-        ModelConfig(str(model), dtype),
-        CacheConfig(kv_cache_gb, kv_cache_tokens, slab_size),
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-        InstanceConfig(memory, placement, device, memory_device,
-                       resolve_pipeline(pipeline, micro_batches, compute, attn_parts),
-                       transport, address, cuda_graphs=cuda_graphs,
-                       device_polling=device_polling),
-        instances, borrowing, plan_every)
+# -- flat settings ----------------------------------------------------------------------------------
+# ``LLM(model, **settings)`` and the CLI's flags name each setting by its field: every field of
+# ModelConfig, CacheConfig, SchedulerConfig, InstanceConfig and DeploymentConfig, except that the
+# instance's ``pipeline`` is given as its parts (``compute``; ``pipeline``, the schedule's name;
+# ``micro_batches``; ``attn_parts``), which :func:`resolve_pipeline` completes.
+_NESTED = {"model", "cache", "scheduler", "instance", "pipeline"}  # configs within configs
+_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, InstanceConfig, DeploymentConfig)
+
+
+def _own(cls) -> list[Field]:
+    return [f for f in fields(cls) if f.name not in _NESTED or cls is ModelConfig]
+
+
+def _default(f: Field) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+#: every flat setting and its default
+SETTINGS: dict[str, Any] = {
+    **{f.name: _default(f) for cls in _SECTIONS for f in _own(cls)},
+    "compute": PipelineConfig.replicas, "pipeline": None, "micro_batches": None,
+    "attn_parts": PipelineConfig.attn_parts}
+
+
+def dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    """``float32`` for ``torch.float32`` or ``"float32"`` (None stays None)."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def deployment_config(model: str | None = None, **settings: Any) -> DeploymentConfig:
+    """The chain from flat settings (see :data:`SETTINGS`), each left out keeping its default;
+    ``model`` may also be given first. Unknown names raise ``TypeError``; invalid values
+    ``ValueError`` (from the dataclass that holds them)."""
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"unknown setting(s) {', '.join(unknown)}; the settings are "
+                        f"{', '.join(SETTINGS)}")
+    if model is not None:
+        settings["model"] = str(model)
+    if "dtype" in settings:
+        settings["dtype"] = dtype_name(settings["dtype"])
+    s = {**SETTINGS, **settings}
+
+    def take(cls) -> dict[str, Any]:
+        return {f.name: s[f.name] for f in _own(cls)}
+
+    pipeline = resolve_pipeline(s["pipeline"], s["micro_batches"], s["compute"], s["attn_parts"])
+    return DeploymentConfig(ModelConfig(**take(ModelConfig)), CacheConfig(**take(CacheConfig)),
+                            SchedulerConfig(**take(SchedulerConfig)),
+                            InstanceConfig(**take(InstanceConfig), pipeline=pipeline),
+                            **take(DeploymentConfig))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-import torch
 from tqdm.auto import tqdm
 
 from lamina.config import DeploymentConfig, deployment_config
@@ -36,39 +35,22 @@ Prompt = str | list[int]
 class LLM:
     """A served model: see the module docstring.
 
-    ``kv_cache_gb`` is the KV budget per memory node (``kv_cache_tokens``: an exact slot count
-    per node). ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA; ``memory_device`` to
-    ``device``. ``micro_batches`` in flight under ``pipeline`` (``none``, ``fixed``,
-    ``rotational``; default rotational with ``compute + 1`` micro-batches when ``compute > 1``);
-    ``attn_parts`` splits each node's share of a layer into that many mini-batches.
-    ``placement``: ``inproc`` (default), ``procs`` or ``ray``; ``transport`` the links between
-    roles out of process (``auto``: shm on one host, tcp across hosts); ``address`` joins a
-    running Ray cluster. ``cuda_graphs``: replay the dense slices of decode steps as CUDA
-    graphs (``device="cuda:N"`` only); ``device_polling="cuda"``: replicas in processes
-    queue each next slice on the GPU behind a flag the attention results release.
-    ``borrowing`` lets pools of several ``instances`` lend KV space to
-    each other (``plan_every``: also move KV proactively every that many rounds). ``trace``:
-    write a Chrome/Perfetto timeline JSON there on :meth:`close`. ``config`` gives the whole
-    chain instead of the keywords.
+    ``LLM(model, **settings)``: each setting is a field of the config chain by its name
+    (:data:`lamina.config.SETTINGS`, defaults there): ``compute`` replicas and ``memory`` nodes
+    per instance, ``instances``, ``placement`` (``inproc``, ``procs``, ``ray``), ``pipeline``
+    (``none``, ``fixed``, ``rotational``), ``micro_batches``, ``attn_parts``, ``device`` /
+    ``memory_device``, ``dtype``, ``kv_cache_gb`` (or exactly ``kv_cache_tokens``) per memory
+    node, ``slab_size``, ``max_num_seqs``, ``max_num_batched_tokens``, ``transport``,
+    ``address`` (a running Ray cluster), ``cuda_graphs``, ``device_polling``, ``borrowing``,
+    ``plan_every``, ... (:mod:`lamina.config` says what each does). ``config`` gives the whole
+    chain instead. ``trace``: write a Chrome/Perfetto timeline JSON there on :meth:`close`.
     """
 
-    def __init__(self, model: str = "smollm2", compute: int = 1, memory: int = 1, *,
-                 instances: int = 1, placement: str = "inproc", pipeline: str | None = None,
-                 micro_batches: int | None = None, attn_parts: int = 1, borrowing: bool = True,
-                 plan_every: int = 0, device: str = "cpu", memory_device: str | None = None,
-                 dtype: torch.dtype | str | None = None, kv_cache_gb: float = 1.0,
-                 kv_cache_tokens: int | None = None, slab_size: int = 256,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 transport: str = "auto", address: str | None = None, cuda_graphs: bool = False,
-                 device_polling: str = "off", trace: str | None = None, config: DeploymentConfig | None = None):
-        self.config = config or deployment_config(
-            model, compute=compute, memory=memory, instances=instances, placement=placement,
-            pipeline=pipeline, micro_batches=micro_batches, attn_parts=attn_parts,
-            borrowing=borrowing, plan_every=plan_every, device=device,
-            memory_device=memory_device, dtype=dtype, kv_cache_gb=kv_cache_gb,
-            kv_cache_tokens=kv_cache_tokens, slab_size=slab_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, transport=transport, address=address,
-            cuda_graphs=cuda_graphs, device_polling=device_polling)
+    def __init__(self, model: str | None = None, *, config: DeploymentConfig | None = None,
+                 trace: str | None = None, **settings):
+        if config is not None and (model is not None or settings):
+            raise TypeError("LLM takes a model and settings, or config=, not both")
+        self.config = config or deployment_config(model, **settings)
         self.model_name = self.config.model.model
         self.trace_path = trace
         self.timeline = Timeline() if trace else None

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lamina.config import CacheConfig
+
 __all__ = ["OutOfSlots", "SlotError", "SlabAllocator", "as_slots"]
 
 
@@ -58,7 +60,7 @@ def as_slots(slots) -> np.ndarray:
 class SlabAllocator:
     """Slot allocator for one KV pool (see module docstring for the contract)."""
 
-    def __init__(self, capacity_slots: int, slab_size: int = 256) -> None:
+    def __init__(self, capacity_slots: int, slab_size: int = CacheConfig.slab_size) -> None:
         if capacity_slots < 0:
             raise ValueError(f"capacity_slots must be >= 0, got {capacity_slots}")
         if slab_size <= 0:

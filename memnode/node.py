@@ -45,6 +45,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from lamina.config import CacheConfig
 from lamina.kernels import paged_attention
 from lamina.memnode.allocator import OutOfSlots, SlabAllocator
 from lamina.memnode.kv_pool import KVPool
@@ -78,7 +79,7 @@ class MemoryNode:
     """
 
     def __init__(self, specs: Sequence[AttentionSpec], capacity_slots: int | None = None, *,
-                 pool: KVPool | None = None, slab_size: int = 256,
+                 pool: KVPool | None = None, slab_size: int = CacheConfig.slab_size,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.specs = list(specs)
         if not self.specs:

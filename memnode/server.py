@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lamina.config import dtype_name
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.memnode.node import MemoryNode
@@ -155,7 +156,7 @@ def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: t
     thread per core; None: ``num_threads`` threads, unpinned); ``spin``: it owns them alone,
     so its receivers on replica (data) links never sleep; the control link always may."""
     return {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
-            "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "dtype": dtype_name(dtype), "device": str(device),
             "num_threads": num_threads, "cores": cores, "spin": spin}
 
 

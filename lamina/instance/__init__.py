@@ -27,7 +27,7 @@ from lamina.computenode.polling import make_polling
 from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.server import ReplicaConfig
-from lamina.config import CacheConfig, DeploymentConfig
+from lamina.config import CacheConfig, DeploymentConfig, dtype_name
 from lamina.device import exclusive, own_cores, parse
 from lamina.engine.engine import Engine
 from lamina.instance.inproc import InProcessReplicas
@@ -182,7 +182,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                                    num_threads=icfg.num_threads, spin=spin[len(replica_devs):])
         closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
         template = ReplicaConfig(config.model.model, replica_devs[0].torch,
-                                 str(info.dtype).removeprefix("torch."), 0, 1, "none",
+                                 dtype_name(info.dtype), 0, 1, "none",
                                  num_threads=icfg.num_threads, peer_base=inst_id * PEER_STRIDE,
                                  cuda_graph_tokens=graph_tokens, device_polling=icfg.device_polling,
                                  micro_batches=icfg.pipeline.micro_batches,
