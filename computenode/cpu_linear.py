@@ -8,16 +8,14 @@ peak. Two paths, best first:
   packs each constant weight once into panels (``ext.pack_linear_weight``; the layout depends
   on the instruction set) and the node calls ``ext.skinny_linear``, which keeps a block of
   outputs in registers (12 x 32 with AVX-512; with AVX2, 2 rows x 6 weight rows of 8-lane
-  partial sums) and reads each weight once per call. One thread, one pass over SmolLM2's
-  weights (``bench/linear.py``): 2-4x ``F.linear`` at 1-16 rows on the AVX-512 machine of
-  earlier runs; 1.9x / 2.1x / 1.6x at 1 / 8 / 16 rows on an AVX2 Zen 3. Float32 and bfloat16
+  partial sums) and reads each weight once per call (``bench/linear.py`` compares it with
+  ``F.linear`` and a sequential read of the same bytes). Float32 and bfloat16
   weights (bfloat16 panels are half the bytes: run by AMX tiles where the CPU has AMX-BF16 and
   the OS grants the tile state, else widened in registers). Used when the C++
   extension is available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy
   doubles the weights' memory on the replica.
 * **``W @ x^T``**: with few rows MKL's float32 GEMM is faster with the weight as the tall left
-  operand than ``x @ W^T`` (what ``F.linear`` asks for): a 49152 x 576 LM head on 8 rows took
-  48 ms as ``F.linear`` and 13 ms as ``W @ x^T``.
+  operand than ``x @ W^T`` (what ``F.linear`` asks for), as for a large LM head on a few rows.
 
 Both apply to inputs of at most ``SKINNY_ROWS`` rows on CPU (``W @ x^T`` to float32 only);
 anything else (prefill chunks, other dtypes, other devices) is ``F.linear``. They compute the
@@ -37,10 +35,9 @@ from lamina.kernels.dispatch import requested
 
 SKINNY_ROWS = 64
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# bfloat16 layers above this many rows go to oneDNN. Widening bfloat16 in registers, the packed
-# kernel is ahead up to 8 rows and about even at 16 (Xeon, SmolLM2's weights, one pass: 46 vs
-# 44 ms; 32 rows 75 vs 50); with AMX tiles it is ahead up to 32 (35-49 vs 50-59 ms; 64 rows
-# 59-75 vs 63-64). use_skinny_linear sets the limit from the packed layout.
+# bfloat16 layers above this many rows go to oneDNN: widening bfloat16 in registers the packed
+# kernel is ahead only up to ~16 rows, with AMX tiles up to ~32 (README: "bfloat16 on CPU").
+# use_skinny_linear sets the limit from the packed layout.
 BF16_PACKED_ROWS = 16
 BF16_PACKED_ROWS_AMX = 32
 _bf16_rows = BF16_PACKED_ROWS

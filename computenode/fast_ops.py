@@ -4,9 +4,8 @@ A slice from ``torch.export`` calls every op as an ``OpOverload`` (``torch.ops.a
 and calling one from Python goes through the JIT's boxed path: the arguments are packed into
 an IValue stack checked against the schema, then the boxed kernel runs. The public bindings
 (``torch.mul``, ``Tensor.view``) parse their arguments with generated code and call the same
-ATen kernel unboxed. On SmolLM2 (1,870 op calls per pass over the model, 1,476 of them
-rewritten) that is ~1-5 us saved per call: 5-19 ms of a 70-105 ms pass at one token on one
-core of the Zen 3 measured (``bench/dense.py``).
+ATen kernel unboxed, which saves microseconds per call on the thousands of small op calls of a
+pass over a model (``bench/dense.py`` measures it).
 
 :func:`use_fast_ops` points the nodes of the ops in :data:`FAST` at their binding. Each pair
 resolves to the same ATen overload for the argument kinds an exported graph passes (tensors,

@@ -1,8 +1,9 @@
 """ComputeReplica: runs the slices of a split model over a step's flattened tokens and samples.
 
 The replica owns the slices (on its device) and a :class:`Sampler`. Attention is not its
-business: ``execute`` takes an ``attend(layer, q, k, v) -> o`` callable that ships q/k/v to the
-memory nodes and returns the merged output ``o[T,H,D]``.
+business: the replica core (:mod:`lamina.computenode.runner`) runs one slice at a time
+(:meth:`ComputeReplica.run_slice`), sends its q/k/v to the memory nodes and feeds the merged
+output ``o[T,H,D]`` to the next slice.
 With ``cuda_graph_tokens > 0`` (a CUDA device only) every slice is captured as CUDA graphs for
 steps of up to that many tokens and replayed there (:mod:`lamina.computenode.cuda_graphs`).
 """
@@ -53,18 +54,6 @@ class ComputeReplica:
         if logits.shape[0] == 0:
             return torch.empty(0, dtype=torch.long)
         return self.sampler.sample(logits, req_ids, params, uniforms)
-
-    # -- a whole step, attention by callback ------------------------------------------------------
-    @torch.inference_mode()
-    def logits(self, plan: StepPlan, attend) -> torch.Tensor:
-        """Logits ``[R, V]`` of ``plan.sample_rows`` only."""
-        return self.split.forward(plan.token_ids.to(self.device), plan.positions.to(self.device),
-                                  plan.sample_rows.to(self.device), attend, self.graphs)
-
-    def execute(self, plan: StepPlan, attend, req_ids: list[int],
-                params: list[SamplingParams]) -> torch.Tensor:
-        """Run the step and sample one token per sample row: ``int64[R]`` on CPU."""
-        return self.sample(self.logits(plan, attend), req_ids, params)
 
     def release(self, req_id: int) -> None:
         self.sampler.release(req_id)

@@ -173,9 +173,7 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     (THP in ``madvise`` mode needs this advice; ``always`` gives them anyway; ``never``: 4 KB
     pages as before): for memory a role streams through every step. A KV pool read at random
     slots misses the TLB on nearly every slab with 4 KB pages (in a VM each miss is a
-    two-level walk) and the hardware prefetcher stops at every 4 KB boundary; measured on a
-    2-core Zen 3 VM: the paged-attention kernel ~10 % faster, a pass over packed weights
-    ~6 %. Every page is touched here, so the memory is committed now, as with ``torch.zeros``
+    two-level walk) and the hardware prefetcher stops at every 4 KB boundary. Every page is touched here, so the memory is committed now, as with ``torch.zeros``
     (which this falls back to below one huge page or where the advice is refused)."""
     numel = math.prod(int(n) for n in shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()

@@ -210,26 +210,6 @@ def _load_model(name: str | os.PathLike, dtype: torch.dtype | None,
     return LoadedModel(name=s, model=model, tokenizer=tok, dtype=dtype, device=device, path=path)
 
 
-def load_tokenizer(name: str | os.PathLike):
-    """Only the tokenizer of ``name`` (alias, HF folder or GGUF file); None for factories or
-    folders without one. Cheap: no weights are loaded (the alias is converted once if needed)."""
-    import transformers
-
-    s = str(name)
-    if s in BUILTIN_ALIASES:
-        path = materialize_alias(s)
-    elif ":" in s and not Path(s).exists():
-        return None
-    else:
-        path = Path(s).expanduser()
-    try:
-        if path.is_file() and path.suffix == ".gguf":
-            return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        return transformers.AutoTokenizer.from_pretrained(path)
-    except Exception:
-        return None
-
-
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     """The ids that end a generation: the generation config's, else the model config's, else
     the tokenizer's."""

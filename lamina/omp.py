@@ -2,10 +2,8 @@
 
 torch's intra-op thread pool (libgomp on Linux) keeps its worker threads spinning after every
 parallel op, by default for milliseconds on AMD CPUs. With memory nodes or compute replicas as
-processes on a few cores, those spinning threads take the cores the other processes need: on
-this project's 2-core machine, ``bench/e2e.py`` at batch 32 measured processes / in-process
-0.71x by default against 0.91x with ``OMP_WAIT_POLICY=PASSIVE`` (in-process / HF 1.10x and
-1.03x, within this machine's noise). So importing :mod:`lamina` sets ``PASSIVE`` unless the user
+processes on a few cores, those spinning threads take the cores the other processes need
+(``bench/e2e.py`` measures it; the README has the numbers). So importing :mod:`lamina` sets ``PASSIVE`` unless the user
 has chosen a policy (any of :data:`WAIT_VARS`). OpenMP reads it once, when torch loads: it only
 takes effect when ``lamina`` is imported before ``torch`` (the ``lamina`` CLI, scripts that start
 with ``from lamina import LLM``) or the variable is set in the shell; processes Lamina spawns

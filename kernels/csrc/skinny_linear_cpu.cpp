@@ -13,9 +13,8 @@
 //   broadcasts one x value per row. The panel (K * 128 bytes) stays in L2 while the row blocks
 //   reuse it. The first row block prefetches the weight stream 8 KB ahead (the hardware
 //   prefetcher alone restarts at every 4 KB page).
-// * AVX2 + FMA: the dot-product shape. On the AVX2 machines measured here (AMD Zen 3) a
-//   broadcast from memory issues about once per two cycles, which held the broadcast kernel to
-//   ~30 GFLOP/s with more than 2 rows per block (about a quarter of FMA peak).
+// * AVX2 + FMA: the dot-product shape (on the AVX2 machines measured, a broadcast from memory
+//   issues about once per two cycles, which held the broadcast shape far below FMA peak).
 //   pack_linear_weight -> panels[P, KG, 6, 8] (P = ceil(N / 6), KG = ceil(K / 8), zeros past N
 //   and K): panel p holds rows 6p .. 6p+5 of w, eight k at a time, so a panel is one sequential
 //   stream. For each block of 2 rows of x, 2 x 6 accumulators hold 8 partial sums each; a step
@@ -36,10 +35,9 @@
 //   pairs of k, so 16 steps of a panel half are one B tile. x is rounded to bfloat16 once per
 //   call (round to nearest even: exact for a bfloat16 model's activations); for each block of
 //   up to 16 rows two tiles accumulate the panel's 32 outputs in float32 (denormals flushed,
-//   as the instruction does). Widening bfloat16 in registers made a pass over SmolLM2 compute-
-//   bound from 8 rows on (Xeon, 1 thread: 27 ms at 8 rows, 47 at 16); with AMX it stays near the
-//   weight stream's read time up to 16-32 rows (22-23 ms at 8, 25-27 at 16, the read 20 ms).
-//   AVX512-BF16's vdpbf16ps on the broadcast shape measured slower than widening (30 / 58 ms).
+//   as the instruction does). Widening bfloat16 in registers is compute-bound from a few rows
+//   on; AMX stays near the weight stream's read time to 16-32 rows (README, "bfloat16 on CPU";
+//   AVX512-BF16's vdpbf16ps on the broadcast shape measured slower than widening).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

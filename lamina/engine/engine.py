@@ -2,7 +2,7 @@
 
 Each ``step()`` forms a StepPlan (continuous batching, chunked prefill) and its per-node routes
 for every free micro-batch slot, has the compute replicas (a :class:`~lamina.engine.worker.WorkerClient`,
-in this process or in a Ray actor) run them, and applies stop conditions to the micro-batches that
+in this process, in processes or in Ray actors) run them, and applies stop conditions to the micro-batches that
 finish. With ``n`` slots (staggered pipelining, :mod:`lamina.computenode.runner`) a request belongs to at
 most one micro-batch in flight, and a micro-batch is re-formed as soon as it finishes.
 """
@@ -22,8 +22,9 @@ from lamina.types import NodeRoute, SamplingParams, Segment, ShardWork, StepPlan
 
 
 @dataclass
-class MicroBatch:
-    """One in-flight iteration: its plan, segments and per-node routes."""
+class InFlight:
+    """One micro-batch iteration in flight, as the engine keeps it: its plan, segments and
+    per-node routes (the replicas' view is :class:`lamina.computenode.runner.MicroBatch`)."""
 
     plan: StepPlan
     segs: list[ScheduledSegment]
@@ -56,7 +57,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count(id_base)
         self._steps = itertools.count(id_base)
-        self._in_flight: dict[int, MicroBatch] = {}  # slot -> micro-batch
+        self._in_flight: dict[int, InFlight] = {}  # slot -> micro-batch
         self._aborted: dict[int, Exception] = {}  # req_id -> error, applied at completion
 
     # -- requests ----------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class Engine:
                                [s.req.params for s in sampled])
             self._in_flight[slot] = mb
 
-    def _complete(self, mb: MicroBatch, tokens: list[int], out: StepOutput) -> None:
+    def _complete(self, mb: InFlight, tokens: list[int], out: StepOutput) -> None:
         segs = mb.segs
         self.scheduler.commit(segs)
         finished_ids = []
@@ -184,7 +185,7 @@ class Engine:
             if error is not None:
                 self.abort(seg.req, error)
 
-    def _form(self, segs: list[ScheduledSegment], slot: int = 0) -> MicroBatch:
+    def _form(self, segs: list[ScheduledSegment], slot: int = 0) -> InFlight:
         """The micro-batch of ``segs``, ordered by the nodes holding each request (stable), so
         that each node's rows are one run of the step's rows and ATTEND/RESULT need no gather."""
         segs = sorted(segs, key=lambda s: (s.req.shards[0].node, s.req.shards[-1].node)
@@ -199,7 +200,7 @@ class Engine:
         plan = StepPlan(step_id, slot, [Segment(s.req.req_id, s.start, s.num_tokens) for s in segs],
                         torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                         torch.tensor(rows, dtype=torch.long))
-        return MicroBatch(plan, segs, build_routes(segs))
+        return InFlight(plan, segs, build_routes(segs))
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

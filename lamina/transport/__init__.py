@@ -11,8 +11,8 @@
   ``ChannelClosed``, ``PeerDied``.
 * backends: :mod:`~lamina.transport.local` (same process, no copy), :mod:`~lamina.transport.shm`
   (same host, shared-memory rings; the spec is plain data), :mod:`~lamina.transport.tcp`
-  (across hosts). ``verbs`` (RDMA) is a future module of this package implementing the same
-  ``Channel`` and passing ``tests/transport/test_conformance.py``.
+  (across hosts), :mod:`~lamina.transport.rdma` (RDMA WRITE rings, needs pyverbs); every one
+  passes ``tests/transport/test_conformance.py``.
 """
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
 from lamina.transport.codec import RemoteError, from_message, register_error, to_message

@@ -1,4 +1,5 @@
-"""Clients of memory nodes, one per node: the engine's (and a replica's) view of a node.
+"""Clients of memory nodes, one per node: the engine's view of a node (and, in process, the
+replicas' too; replica processes speak to their nodes over raw peer channels).
 
 ``NodeClient`` offers the same operations whether the node lives in this process
 (:class:`InProcessNode`: plain method calls on a ``MemoryNode``, the *local* backend: no encoding,
