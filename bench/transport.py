@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from lamina.config import KernelConfig, use_kernels  # noqa: E402
+
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 HDR = 128  # bytes before the payload areas: flag a->b at 0, flag b->a at 64
@@ -220,13 +222,15 @@ def main(argv: list[str] | None = None) -> None:
         for mode, kind, spin in modes:
             python_ring = mode.endswith(" py")  # the shm ring without its C++ fast path
             old = os.environ.get("LAMINA_KERNELS")
-            if python_ring:  # read when the channels are made, here and in the spawned echo
+            if python_ring:  # here, and in the spawned echo (which reads it when it starts)
+                previous = use_kernels(KernelConfig(ring="python"))
                 os.environ["LAMINA_KERNELS"] = "torch"
             try:
                 for size, times in channel_round_trips(kind, spin, sizes, a.quick).items():
                     add(rnd, mode, size, times)
             finally:
                 if python_ring:
+                    use_kernels(previous)
                     if old is None:
                         os.environ.pop("LAMINA_KERNELS", None)
                     else:

@@ -12,7 +12,8 @@ peak. Two paths, best first:
   ``F.linear`` and a sequential read of the same bytes). Float32 and bfloat16
   weights (bfloat16 panels are half the bytes: run by AMX tiles where the CPU has AMX-BF16 and
   the OS grants the tile state, else widened in registers). Used when the C++
-  extension is available and ``LAMINA_KERNELS`` is ``auto`` or ``cpp``; the packed copy
+  extension is available and the ``linear`` kernel choice is ``auto`` or ``packed``
+  (:class:`lamina.config.KernelConfig`); the packed copy
   doubles the weights' memory on the replica.
 * **``W @ x^T``**: with few rows MKL's float32 GEMM is faster with the weight as the tall left
   operand than ``x @ W^T`` (what ``F.linear`` asks for), as for a large LM head on a few rows.
@@ -29,9 +30,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from lamina.computenode.fast_ops import constant
+from lamina.config import kernels_in_use
 from lamina.device import huge_page_zeros
 from lamina.kernels import cpp_ext
-from lamina.kernels.dispatch import requested
 
 SKINNY_ROWS = 64
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -71,8 +72,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def packing_available() -> bool:
     """Whether :func:`use_skinny_linear` packs weights for the C++ kernel (builds it on the
-    first call unless ``LAMINA_KERNELS`` names another backend)."""
-    return requested() in ("auto", "cpp") and cpp_ext.load() is not None
+    first call unless the ``linear`` choice is ``torch``); ``packed`` without the extension
+    raises."""
+    choice = kernels_in_use().linear
+    if choice == "torch":
+        return False
+    if cpp_ext.load() is not None:
+        return True
+    if choice == "packed":
+        raise RuntimeError(f"linear kernels 'packed' need the C++ extension, which is "
+                           f"unavailable ({cpp_ext.build_error()})")
+    return False
 
 
 def free_memory() -> int:

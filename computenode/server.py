@@ -37,7 +37,7 @@ import torch
 from lamina.computenode.polling import eager_module_loading, make_polling
 from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.runner import MicroBatch, SliceRunner
-from lamina.config import PipelineConfig
+from lamina.config import KernelConfig, PipelineConfig, use_kernels
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.transport import codec
@@ -69,6 +69,7 @@ class ReplicaConfig:
     device_polling: str = "off"  # off | cuda | emulated (lamina.computenode.polling)
     micro_batches: int = 1  # slots in flight and ...
     max_step_tokens: int = 0  # ... tokens per micro-batch: polling's staging, made up front
+    kernels: dict | None = None  # the KernelConfig's fields (None: the process's default)
 
 
 def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
@@ -77,6 +78,8 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
     load answers every control message with the error."""
     cfg = ReplicaConfig(**config)
     own_cores(cfg.cores, None if cfg.cores else cfg.num_threads)
+    if cfg.kernels:
+        use_kernels(KernelConfig(**cfg.kernels))
     ctrl = connect(endpoint)
     try:
         if cfg.device_polling == "cuda":

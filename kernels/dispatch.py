@@ -1,6 +1,8 @@
 """Choice between the Triton kernels and the torch paths.
 
-``LAMINA_KERNELS`` (read at every call) selects the implementation:
+The process's ``attention`` kernel choice (:func:`lamina.config.kernels_in_use`: its role's
+:class:`~lamina.config.KernelConfig`, by default what ``LAMINA_KERNELS`` named) selects the
+implementation:
 
 * unset / ``auto``: Triton for CUDA tensors, the C++ kernel (:mod:`lamina.kernels.cpp_ext`)
   for CPU tensors when it builds, the torch path otherwise (after one ``RuntimeWarning`` that
@@ -21,9 +23,11 @@ explicit ``triton``) raises a ``RuntimeError`` naming the fix.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from lamina import env
+from lamina.config import kernels_in_use
 
 from lamina.kernels import cpp_ext
 from lamina.kernels.reference import merge_states_ref, paged_attention_ref
@@ -31,20 +35,14 @@ from lamina.kernels.torch_batched import paged_attention_batched
 from lamina.kernels.torch_sparse import paged_attention_cpu
 from lamina.types import AttentionSpec
 
-_CHOICES = ("auto", "cpp", "triton", "torch", "batched", "ref")
-
-
 def triton_available() -> bool:
     """Whether the ``triton`` package can be imported here."""
     return importlib.util.find_spec("triton") is not None
 
 
 def requested() -> str:
-    """``LAMINA_KERNELS`` as given (``auto`` when unset); ``ValueError`` for an unknown one."""
-    choice = os.environ.get("LAMINA_KERNELS", "auto").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise ValueError(f"LAMINA_KERNELS={choice!r}: expected one of {', '.join(_CHOICES)}")
-    return choice
+    """This process's attention kernel choice, as configured (``auto`` by default)."""
+    return kernels_in_use().attention
 
 
 def backend_for(device: torch.device) -> str:
@@ -59,10 +57,11 @@ def backend_for(device: torch.device) -> str:
     if choice == "triton":
         if not triton_available():
             raise RuntimeError(f"attention on {device.type} needs the Triton kernels but triton is "
-                               "not installed: `pip install triton`, or set LAMINA_KERNELS=torch")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("LAMINA_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 "
-                               "set before triton is imported")
+                               "not installed: `pip install triton`, or choose torch kernels "
+                               "(--kernels torch, LAMINA_KERNELS=torch)")
+        if device.type != "cuda" and env.text("TRITON_INTERPRET") != "1":
+            raise RuntimeError("triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
+                               "triton is imported")
     return choice
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import os
 import platform
 import shutil
 import subprocess
@@ -28,13 +27,15 @@ from types import ModuleType
 
 import torch
 
+from lamina import env
+
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 
 def cache_root() -> Path:
     """``$LAMINA_CACHE/torch_extensions`` (``LAMINA_CACHE`` defaults to ``~/.cache/lamina``)."""
-    base = Path(os.environ.get("LAMINA_CACHE", Path.home() / ".cache" / "lamina"))
+    base = env.cache_root()
     return base / "torch_extensions"
 
 
@@ -56,7 +57,7 @@ def _cpu_fingerprint() -> str:
 
 def compiler() -> str | None:
     """The C++ compiler's path (``$CXX``, default ``c++``), or None when it is not on PATH."""
-    return shutil.which(os.environ.get("CXX", "c++"))
+    return shutil.which(env.text("CXX", "c++"))
 
 
 def _compiler_version(cxx: str) -> str:
@@ -69,7 +70,7 @@ def _compiler_version(cxx: str) -> str:
 
 def extra_cflags() -> tuple[str, ...]:
     """Flags added by ``LAMINA_CPP_CFLAGS`` (whitespace separated)."""
-    return tuple(os.environ.get("LAMINA_CPP_CFLAGS", "").split())
+    return tuple(env.text("LAMINA_CPP_CFLAGS").split())
 
 
 def _cause(exc: BaseException) -> str:
@@ -109,7 +110,7 @@ class Extension:
         from torch.utils import cpp_extension
         cxx = compiler()
         if cxx is None:
-            raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'c++')!r} is not on PATH")
+            raise RuntimeError(f"no C++ compiler: {env.text('CXX', 'c++')!r} is not on PATH")
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed (`pip install ninja`)")
         cflags = CFLAGS + extra

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from lamina.config import PLACEMENTS, POLLING, SCHEDULES, SETTINGS, TRANSPORTS, deployment_config
+from lamina.config import (ATTENTION_KERNELS, PLACEMENTS, POLLING, SCHEDULES, SETTINGS, TRANSPORTS,
+                           deployment_config)
 
 # setting -> (help, choices); the groups list the flags in --help order
 _HELP: dict[str, tuple[str, tuple | None]] = {
@@ -29,6 +30,9 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
     "cuda_graphs": ("replay decode steps' dense slices as CUDA graphs (--device cuda:N only)", None),
     "device_polling": ("replicas queue each next slice behind a device flag that the attention "
                        "results release (cuda: needs cupy; emulated: CPU stand-in)", POLLING),
+    "kernels": ("what every role computes with, by one name: the attention backend; torch also "
+                "means torch linear layers and the Python ring (default: $LAMINA_KERNELS, else "
+                "auto)", ATTENTION_KERNELS),
     "micro_batches": ("micro-batches in flight (default: 1; compute+1 when rotational)", None),
     "pipeline": ("staggered pipelining schedule (default: rotational when more than one "
                  "micro-batch or replica)", SCHEDULES),
@@ -46,12 +50,13 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
 _GROUPS = {
     None: ("model", "dtype"),
     "placement": ("compute", "memory", "instances", "placement", "transport", "address", "device",
-                  "memory_device", "cuda_graphs", "device_polling"),
+                  "memory_device", "cuda_graphs", "device_polling", "kernels"),
     "pipelining": ("micro_batches", "pipeline", "attn_parts"),
     "KV cache and scheduling": ("kv_cache_gb", "kv_cache_tokens", "slab_size", "max_num_seqs",
                                 "max_num_batched_tokens", "borrowing", "plan_every"),
 }
 _TYPES = {"kv_cache_tokens": int, "micro_batches": int}  # settings whose default is None
+_UNSET = ("kernels",)  # no flag: the config's default (the environment's choice)
 
 
 def add_deployment_args(p: argparse.ArgumentParser, **defaults) -> None:
@@ -61,7 +66,7 @@ def add_deployment_args(p: argparse.ArgumentParser, **defaults) -> None:
         g = p.add_argument_group(title) if title else p
         for name in names:
             help_, choices = _HELP[name]
-            default = defaults.get(name, SETTINGS[name])
+            default = defaults.get(name, None if name in _UNSET else SETTINGS[name])
             flag = "--" + name.replace("_", "-")
             if isinstance(default, bool):
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
@@ -75,4 +80,5 @@ def add_deployment_args(p: argparse.ArgumentParser, **defaults) -> None:
 def config_from_args(args: argparse.Namespace):
     """The config chain (a :class:`~lamina.config.DeploymentConfig`) of the flags added by
     :func:`add_deployment_args`."""
-    return deployment_config(**{name: getattr(args, name) for name in _HELP})
+    return deployment_config(**{name: getattr(args, name) for name in _HELP
+                                if name not in _UNSET or getattr(args, name) is not None})

@@ -10,12 +10,68 @@ from typing import Any
 
 import torch
 
+from lamina import env
 from lamina.device import Device, default_cores, parse, split
 
 SCHEDULES = ("none", "fixed", "rotational")  # pipelines (lamina.computenode.schedule)
 PLACEMENTS = ("inproc", "procs", "ray")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 POLLING = ("off", "cuda", "emulated")
+ATTENTION_KERNELS = ("auto", "cpp", "triton", "torch", "batched", "ref")
+LINEAR_KERNELS = ("auto", "packed", "torch")
+RING_CODECS = ("auto", "cpp", "python")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What a role computes with; every role of an instance gets its instance's choices.
+
+    * ``attention``: the memory nodes' paged attention and the replicas' merge: ``auto`` (Triton
+      on CUDA, the C++ kernel on CPU where it builds, else torch), ``cpp``, ``triton``,
+      ``torch``, ``batched``, ``ref`` (:mod:`lamina.kernels.dispatch`);
+    * ``linear``: decode-sized linear layers on CPU: ``auto`` (the packed C++ kernel where it
+      builds), ``packed`` (that kernel or an error), ``torch`` (:mod:`lamina.computenode.cpu_linear`);
+    * ``ring``: the shared-memory ring's codec: ``auto`` (the C++ fast path where it builds),
+      ``cpp`` (that or an error), ``python`` (:mod:`lamina.transport.shm_fast`).
+    """
+
+    attention: str = "auto"
+    linear: str = "auto"
+    ring: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name, choices in (("attention", ATTENTION_KERNELS), ("linear", LINEAR_KERNELS),
+                              ("ring", RING_CODECS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} kernels {getattr(self, name)!r}: expected one of "
+                                 f"{', '.join(choices)}")
+
+    @classmethod
+    def named(cls, name: str) -> "KernelConfig":
+        """The choices by one name, as ``LAMINA_KERNELS`` and ``--kernels`` give them: an
+        attention backend, with torch linear layers unless it is ``auto`` or ``cpp``; ``torch``
+        also means the Python ring (no C++ at all)."""
+        if name not in ATTENTION_KERNELS:
+            raise ValueError(f"kernels {name!r} (LAMINA_KERNELS / --kernels): expected one of "
+                             f"{', '.join(ATTENTION_KERNELS)}")
+        return cls(name, "auto" if name in ("auto", "cpp") else "torch",
+                   "python" if name == "torch" else "auto")
+
+
+_KERNELS: list[KernelConfig] = []  # this process's choices, once a role or deployment set them
+
+
+def kernels_in_use() -> KernelConfig:
+    """This process's kernel choices: its role's (:func:`use_kernels`), else what
+    ``LAMINA_KERNELS`` named when Lamina was imported."""
+    return _KERNELS[0] if _KERNELS else KernelConfig.named(env.KERNELS)
+
+
+def use_kernels(kernels: KernelConfig) -> KernelConfig:
+    """Make ``kernels`` this process's choices; returns the previous ones (to put back)."""
+    previous = kernels_in_use()
+    _KERNELS[:] = [kernels]
+    return previous
 
 
 @dataclass(frozen=True)
@@ -107,7 +163,7 @@ class InstanceConfig:
     ``device`` / ``memory_device``: ``cpu``, ``cpu:N``, ``cpu:A-B`` (the cores the role owns:
     it pins itself to them and runs that many threads), ``cuda:N`` (:mod:`lamina.device`).
     ``transport`` picks the links between roles out of process (``rdma``: RC queue pairs via
-    pyverbs, refused at construction where pyverbs or a device is missing; ``auto``: shm on one host,
+    pyverbs, refused at start where pyverbs or a device is missing; ``auto``: shm on one host,
     tcp across hosts); ``num_threads`` is the torch thread count of a role that owns no cores;
     ``spin``: a memory node alone on its cores (one instance per host) polls its replicas' shm
     links instead of sleeping on them (replicas never poll: their cores run the slices).
@@ -117,7 +173,9 @@ class InstanceConfig:
     pre-launch each next slice behind a device flag the attention results release
     (:mod:`lamina.computenode.polling`): ``cuda`` needs a CUDA ``device`` and cupy (and, in
     process, memory nodes off the GPU); ``emulated`` is its CPU stand-in (the same
-    bookkeeping, slices deferred), for tests."""
+    bookkeeping, slices deferred), for tests. ``kernels``: what every role of the instance
+    computes with (:class:`KernelConfig`, or its one-name form; default: what
+    ``LAMINA_KERNELS`` names)."""
 
     memory: int = 1
     placement: str = "inproc"
@@ -130,8 +188,11 @@ class InstanceConfig:
     spin: bool = True
     cuda_graphs: bool = False
     device_polling: str = "off"
+    kernels: KernelConfig = field(default_factory=lambda: KernelConfig.named(env.KERNELS))
 
     def __post_init__(self) -> None:
+        if isinstance(self.kernels, str):  # one name, as LAMINA_KERNELS and --kernels give it
+            object.__setattr__(self, "kernels", KernelConfig.named(self.kernels))
         if self.memory < 1:
             raise ValueError(f"memory must be >= 1, got {self.memory}")
         if self.placement not in PLACEMENTS:
@@ -140,11 +201,6 @@ class InstanceConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got "
                              f"{self.transport!r}")
-        if self.transport == "rdma":  # refused at start, never a silent fallback
-            from lamina.transport.rdma import unavailable
-            why = unavailable()
-            if why is not None:
-                raise ValueError(why)
         device = parse(self.device)
         if device.kind != "cuda" and self.cuda_graphs:
             raise ValueError(f"cuda_graphs needs a CUDA compute device (device='cuda:0'); "

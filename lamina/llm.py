@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from lamina.config import DeploymentConfig, deployment_config
+from lamina.config import DeploymentConfig, deployment_config, kernels_in_use, use_kernels
 from lamina.deployment import Deployment, start_deployment
 from lamina.device import CallerState
 from lamina.engine.request import Request
@@ -55,11 +55,12 @@ class LLM:
         self.trace_path = trace
         self.timeline = Timeline() if trace else None
         self.deployment: Deployment | None = None
-        self._caller = CallerState.save()  # in-process roles pin this process; close() undoes it
+        # the deployment pins this process's cores and sets its kernels; close() undoes both
+        self._caller, self._kernels = CallerState.save(), kernels_in_use()
         try:
             self.deployment = start_deployment(self.config, timeline=self.timeline)
         except BaseException:
-            self._caller.restore()
+            self._restore()
             raise
         self.tokenizer = self.deployment.instances[0].engine.tokenizer
 
@@ -70,9 +71,13 @@ class LLM:
         d, self.deployment = getattr(self, "deployment", None), None
         if d is not None:
             d.close()
-            self._caller.restore()
+            self._restore()
         if getattr(self, "timeline", None) is not None and self.timeline.spans:
             self.timeline.save(self.trace_path)
+
+    def _restore(self) -> None:
+        self._caller.restore()
+        use_kernels(self._kernels)
 
     def __enter__(self) -> "LLM":
         return self

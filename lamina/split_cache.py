@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from lamina.models import cache_dir, model_files
+from lamina import env
 from lamina import splitter
 from lamina.splitter import SplitModel, split_model
 from lamina.splitter.errors import SplitError
@@ -38,7 +39,7 @@ _SPLITTER = Path(splitter.__file__).resolve().parent  # its source is part of th
 def split_dir() -> Path | None:
     """``LAMINA_SPLIT_CACHE``: unset -> ``$LAMINA_CACHE/splits``; ``0``/``off`` -> None (no
     cache); anything else -> that folder."""
-    v = os.environ.get("LAMINA_SPLIT_CACHE", "").strip()
+    v = env.text("LAMINA_SPLIT_CACHE").strip()
     if v.lower() in ("0", "false", "no", "off"):
         return None
     return Path(v).expanduser() if v else cache_dir() / "splits"

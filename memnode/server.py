@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lamina.config import dtype_name
+from lamina.config import KernelConfig, dtype_name, use_kernels
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.memnode.node import MemoryNode
@@ -150,14 +150,16 @@ class NodeServer:
 
 def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: torch.dtype,
                 slab_size: int, num_threads: int = 1, cores: list[int] | None = None,
-                spin: bool = False) -> dict[str, Any]:
+                spin: bool = False, kernels: KernelConfig | None = None) -> dict[str, Any]:
     """Everything a memory-node server needs, as plain data (a process argument): ``device``
     a torch device string; ``cores`` the CPU cores the node owns (it pins itself and runs one
     thread per core; None: ``num_threads`` threads, unpinned); ``spin``: it owns them alone,
-    so its receivers on replica (data) links never sleep; the control link always may."""
+    so its receivers on replica (data) links never sleep; the control link always may;
+    ``kernels``: what the node computes with (None: its process's default)."""
     return {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
             "dtype": dtype_name(dtype), "device": str(device),
-            "num_threads": num_threads, "cores": cores, "spin": spin}
+            "num_threads": num_threads, "cores": cores, "spin": spin,
+            "kernels": asdict(kernels) if kernels is not None else None}
 
 
 def build_node(config: dict[str, Any]) -> MemoryNode:
@@ -171,5 +173,7 @@ def serve_node(endpoint: dict[str, Any], config: dict[str, Any]) -> None:
     """A role's entry point (a process or an actor thread): join the primary channel at
     ``endpoint``, build the node from ``config``, serve until SHUTDOWN or the engine is gone."""
     own_cores(config.get("cores"), None if config.get("cores") else config.get("num_threads", 1))
+    if config.get("kernels"):
+        use_kernels(KernelConfig(**config["kernels"]))
     ch = connect(endpoint)  # control: sleeps when idle
     NodeServer(build_node(config), spin=bool(config.get("spin"))).serve(ch)

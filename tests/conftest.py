@@ -16,3 +16,25 @@ if "LAMINA_SPLIT_CACHE" not in os.environ:
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import lamina  # noqa: E402,F401
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def kernels():
+    """``kernels(name_or_config)``: this test process computes with those kernel choices
+    (:class:`lamina.config.KernelConfig`, or its one-name form) until the test ends."""
+    from lamina.config import KernelConfig, use_kernels
+
+    saved = []
+
+    def use(choice):
+        k = KernelConfig.named(choice) if isinstance(choice, str) else choice
+        previous = use_kernels(k)
+        if not saved:
+            saved.append(previous)
+
+    yield use
+    if saved:
+        use_kernels(saved[0])

@@ -23,6 +23,8 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from lamina import env as lamina_env
+
 ENV_VAR = "LAMINA_HARDWARE"
 KINDS = ("gpu", "cpu")
 ROLES = ("compute", "memory")
@@ -171,7 +173,7 @@ def load_catalog(paths: str | Path | Iterable[str | Path] | None = None, *,
     """Load the builtin catalog, then ``$LAMINA_HARDWARE`` files (if ``use_env``), then
     ``paths``, each merged over the previous ones by name. Returns ``{name: Device}``."""
     files: list[Path] = [builtin_catalog_path()] if include_builtin else []
-    env = os.environ.get(ENV_VAR, "") if use_env else ""
+    env = lamina_env.text(ENV_VAR) if use_env else ""
     files += [Path(p) for p in env.split(os.pathsep) if p.strip()]
     if isinstance(paths, (str, Path)):
         paths = [paths]

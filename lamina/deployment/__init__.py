@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lamina.config import DeploymentConfig
+from lamina.config import DeploymentConfig, use_kernels
 from lamina.deployment.deployment import Deployment
 from lamina.instance import Instance, ModelInfo, launcher_for, load_model_info, start_instance
 from lamina.timeline import Timeline
@@ -22,7 +22,13 @@ def start_deployment(config: DeploymentConfig, info: ModelInfo | None = None, *,
     ``config.instance.placement`` and put them behind one router; with borrowing, a gManager
     (a Ray actor under the ``ray`` placement). ``perf``: the greedy placement's performance
     model (default, when ``plan_every`` is set: measured now on the compute device). On any
-    failure, whatever was started is stopped."""
+    failure, whatever was started is stopped. This process computes with the instances'
+    kernel choices from now on (its channels' ring codec, in-process roles' kernels)."""
+    if config.instance.transport == "rdma":  # refused before anything starts
+        from lamina.transport.rdma import unavailable
+        if (why := unavailable()) is not None:
+            raise ValueError(why)
+    use_kernels(config.instance.kernels)
     launcher = launcher_for(config)  # first: a role process re-running a script stops here
     instances: list[Instance] = []
     try:

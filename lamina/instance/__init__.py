@@ -18,7 +18,7 @@ memory nodes, so instances that share a node (borrowing) never collide.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -179,14 +179,16 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                 else [False] * (len(replica_devs) + len(node_devs)))
         nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
                                    slab_size=config.cache.slab_size, transport=icfg.transport,
-                                   num_threads=icfg.num_threads, spin=spin[len(replica_devs):])
+                                   num_threads=icfg.num_threads, spin=spin[len(replica_devs):],
+                                   kernels=icfg.kernels)
         closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
         template = ReplicaConfig(config.model.model, replica_devs[0].torch,
                                  dtype_name(info.dtype), 0, 1, "none",
                                  num_threads=icfg.num_threads, peer_base=inst_id * PEER_STRIDE,
                                  cuda_graph_tokens=graph_tokens, device_polling=icfg.device_polling,
                                  micro_batches=icfg.pipeline.micro_batches,
-                                 max_step_tokens=config.scheduler.max_num_batched_tokens)
+                                 max_step_tokens=config.scheduler.max_num_batched_tokens,
+                                 kernels=asdict(icfg.kernels))
         try:
             worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
                                     num_slices=len(info.split.slices), transport=icfg.transport,

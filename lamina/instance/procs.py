@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from lamina.config import PipelineConfig
+from lamina.config import KernelConfig, PipelineConfig
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.schedule import replica_for
 from lamina.computenode.server import ReplicaConfig, serve_replica
@@ -98,13 +98,14 @@ def stop_roles(handles: list[RoleHandle], channels: list) -> None:
 
 def start_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: list[Device],
                        capacity: int, *, dtype: torch.dtype, slab_size: int, transport: str,
-                       num_threads: int = 1, spin: list[bool] | None = None) -> list[RemoteNode]:
+                       num_threads: int = 1, spin: list[bool] | None = None,
+                       kernels: KernelConfig | None = None) -> list[RemoteNode]:
     """One memory-node server of ``capacity`` slots per device (each pins itself to its
-    device's cores); the engine's clients of them (``client.process`` is the role's handle;
-    the caller stops it)."""
+    device's cores and computes with ``kernels``); the engine's clients of them
+    (``client.process`` is the role's handle; the caller stops it)."""
     spin = spin or [False] * len(devices)
     configs = [node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
-                           list(d.cores) if d.cores else None, sp)
+                           list(d.cores) if d.cores else None, sp, kernels)
                for d, sp in zip(devices, spin)]
     handles, channels = start_roles(launcher, serve_node, configs, role="memory",
                                     device=devices[0].torch, transport=transport)

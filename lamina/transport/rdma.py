@@ -34,13 +34,14 @@ import os
 import secrets
 from typing import Any, Callable
 
+from lamina import env
 from lamina.transport.base import PeerDied
 from lamina.transport.ring import RingChannel
 from lamina.transport.ring_memory import CTL_BYTES, R_PID, W_PID, PollBell, RingMemory
 from lamina.transport.wire import DEFAULT_LIMITS, Message, MsgKind, WireLimits
 
 PORT = 1
-GID_INDEX = int(os.environ.get("LAMINA_RDMA_GID_INDEX", "0"))
+GID_INDEX = int(env.text("LAMINA_RDMA_GID_INDEX", "0"))
 
 
 class RdmaUnavailable(RuntimeError):

@@ -20,8 +20,8 @@ Anything else (a message larger than the free space or the ring, malformed input
 that are not contiguous CPU ones) takes the Python path in :mod:`lamina.transport.shm`, which
 writes the same bytes and raises the precise :class:`~lamina.transport.wire.WireError`; both
 paths interoperate message by message. Built on first use and cached like the kernels
-(:mod:`lamina.build`); ``LAMINA_KERNELS=torch`` (no C++ at all) or a failed build
-(one warning) leaves the Python path.
+(:mod:`lamina.build`); the ``ring`` kernel choice ``python`` (``LAMINA_KERNELS=torch``: no C++
+at all) or a failed build (one warning) leaves the Python path.
 
 Results. ``Writer.send`` returns one status: :data:`SENT` or :data:`SENT_WAKE` (written; with
 the latter the reader sleeps and the caller rings its doorbell), or, with nothing written,
@@ -42,7 +42,6 @@ field that differs, instead of returning a module that would write other bytes.
 """
 from __future__ import annotations
 
-import os
 import re
 import struct
 import weakref
@@ -53,6 +52,7 @@ from typing import Any
 import torch
 
 from lamina.build import Extension
+from lamina.config import kernels_in_use
 from lamina.transport import ring_memory, wire
 
 __all__ = ["EXTENSION", "load", "check_layout", "expected_layout", "LayoutMismatch", "STATUSES",
@@ -88,12 +88,17 @@ class LayoutMismatch(RuntimeError):
 
 
 def load() -> ModuleType | None:
-    """The compiled fast path, or ``None`` (Python path) under ``LAMINA_KERNELS=torch`` or when
-    it cannot be built. Raises :class:`LayoutMismatch` when its layout or statuses differ from
-    Python's (checked once per process and module)."""
-    if os.environ.get("LAMINA_KERNELS", "auto").strip().lower() == "torch":
+    """The compiled fast path, or ``None`` (Python path) when the ``ring`` kernel choice is
+    ``python`` (:class:`lamina.config.KernelConfig`) or, under ``auto``, when it cannot be built
+    (``cpp`` then raises). Raises :class:`LayoutMismatch` when its layout or statuses differ
+    from Python's (checked once per process and module)."""
+    choice = kernels_in_use().ring
+    if choice == "python":
         return None
     module = EXTENSION.load()
+    if module is None and choice == "cpp":
+        raise RuntimeError(f"ring 'cpp' needs the C++ fast path, which is unavailable "
+                           f"({EXTENSION.build_error()})")
     if module is not None and module not in _checked:
         check_layout(module)
         _checked.add(module)

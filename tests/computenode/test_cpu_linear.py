@@ -99,10 +99,10 @@ def test_bfloat16_slices_pack_in_their_layout_and_row_limit():
         torch.testing.assert_close(after[k].float(), v.float(), rtol=5e-2, atol=5e-2)
 
 
-def test_torch_kernels_pack_nothing(monkeypatch):
+def test_torch_kernels_pack_nothing(monkeypatch, kernels):
     from lamina.computenode import cpu_linear
     from lamina.splitter import split_model
-    monkeypatch.setenv("LAMINA_KERNELS", "torch")
+    kernels("torch")
     assert not cpu_linear.packing_available()
     sm = split_model(tiny_model("llama"))
     assert sum(use_skinny_linear(gm) for gm in sm.slices) > 0

@@ -102,19 +102,19 @@ def test_cpp_slots_outside_the_pool_raise():
         cpp_ext.paged_attention_cpp(*replace(case, kv_indices=bad).args())
 
 
-def test_auto_dispatch_on_cpu_uses_the_cpp_kernel(monkeypatch):
+def test_auto_dispatch_on_cpu_uses_the_cpp_kernel(monkeypatch, kernels):
     import lamina.kernels.dispatch as dispatch
-    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    kernels("auto")
     assert dispatch.backend_for(torch.device("cpu")) == "cpp"
-    monkeypatch.setenv("LAMINA_KERNELS", "torch")
+    kernels("torch")
     assert dispatch.backend_for(torch.device("cpu")) == "torch"
-    monkeypatch.setenv("LAMINA_KERNELS", "cpp")
+    kernels("cpp")
     case = random_case(8, num_heads=9, num_kv_heads=3, head_dim=64)
     ref_o, ref_lse = paged_attention_ref(*case.args())
     assert_matches(*paged_attention(*case.args()), ref_o, ref_lse, torch.float32)
 
 
-def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch):
+def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch, kernels):
     import lamina.kernels.dispatch as dispatch
     bogus = ("-DLAMINA_BREAK_THE_BUILD", "-include", "/nonexistent/lamina_no_such_header.h")
     with warnings.catch_warnings(record=True) as caught:
@@ -124,7 +124,7 @@ def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch):
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
     assert "could not be built" in str(caught[0].message)
     monkeypatch.setenv("LAMINA_CPP_CFLAGS", " ".join(bogus))
-    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    kernels("auto")
     case = random_case(9, num_heads=6, num_kv_heads=2, head_dim=16)
     ref_o, ref_lse = paged_attention_ref(*case.args())
     with warnings.catch_warnings(record=True) as caught:
@@ -136,11 +136,11 @@ def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch):
     assert cpp_ext.build_error()
 
 
-def test_merge_states_on_cpu_never_builds_the_extension(monkeypatch):
+def test_merge_states_on_cpu_never_builds_the_extension(monkeypatch, kernels):
     import lamina.kernels.dispatch as dispatch
     calls = []
     monkeypatch.setattr(cpp_ext, "load", lambda *a, **k: calls.append(1))
-    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    kernels("auto")
     os_, lses = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4)
     o, lse = dispatch.merge_states(os_, lses)
     assert torch.allclose(lse, torch.logsumexp(lses, 0)) and not calls

@@ -44,22 +44,21 @@ def test_batched_head_dim_64_decode_smollm_shape():
     assert_matches(o, lse, ref_o, ref_lse, torch.float32)
 
 
-def test_cpu_dispatch_uses_torch_path(monkeypatch):
-    monkeypatch.setenv("LAMINA_KERNELS", "torch")
+def test_cpu_dispatch_uses_torch_path(monkeypatch, kernels):
+    kernels("torch")
     assert backend_for(torch.device("cpu")) == "torch"
     case = random_case(3, num_heads=6, num_kv_heads=3, head_dim=16)
     ref_o, ref_lse = paged_attention_ref(*case.args())
     o, lse = paged_attention(*case.args())
     assert_matches(o, lse, ref_o, ref_lse, torch.float32)
-    monkeypatch.setenv("LAMINA_KERNELS", "ref")
+    kernels("ref")
     assert backend_for(torch.device("cpu")) == "ref"
-    monkeypatch.setenv("LAMINA_KERNELS", "bogus")
     with pytest.raises(ValueError, match="LAMINA_KERNELS"):
-        paged_attention(*case.args())
+        kernels("bogus")
 
 
-def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch, kernels):
+    kernels("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET|triton is not installed"):
         backend_for(torch.device("cpu"))
@@ -80,10 +79,10 @@ def test_batched_degenerate_inputs():
     assert torch.all(o == 0) and torch.isneginf(lse).all()
 
 
-def test_without_triton_cpu_falls_back_and_cuda_raises(monkeypatch):
+def test_without_triton_cpu_falls_back_and_cuda_raises(monkeypatch, kernels):
     import lamina.kernels.dispatch as dispatch
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
-    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    kernels("auto")
     assert backend_for(torch.device("cpu")) in ("cpp", "torch")  # no Triton on CPU anyway
     with pytest.raises(RuntimeError, match="triton is not installed"):
         backend_for(torch.device("cuda"))

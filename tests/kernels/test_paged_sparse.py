@@ -187,9 +187,9 @@ def test_degenerate_inputs():
                             none, torch.tensor([3, 4]), torch.tensor([0, 0]), make_spec(4, 4, 16))
 
 
-def test_cpu_dispatch_uses_sparse_path(monkeypatch):
+def test_cpu_dispatch_uses_sparse_path(monkeypatch, kernels):
     import lamina.kernels.dispatch as dispatch
-    monkeypatch.setenv("LAMINA_KERNELS", "torch")
+    kernels("torch")
     calls = []
 
     def spy(*args, **kw):
@@ -248,9 +248,9 @@ def test_buffers_made_in_inference_mode_work_outside_it():
     assert not errors, errors[0]
 
 
-def test_batched_backend_selects_the_padded_path(monkeypatch):
+def test_batched_backend_selects_the_padded_path(monkeypatch, kernels):
     import lamina.kernels.dispatch as dispatch
-    monkeypatch.setenv("LAMINA_KERNELS", "batched")
+    kernels("batched")
     assert dispatch.backend_for(torch.device("cpu")) == "batched"
     calls = []
     monkeypatch.setattr(dispatch, "paged_attention_cpu", lambda *a, **k: calls.append(1))

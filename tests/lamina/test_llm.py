@@ -75,3 +75,40 @@ def test_a_script_without_a_main_guard_gets_one_sentence_naming_the_fix(folder, 
     assert 'if __name__ == "__main__":' in last
     assert "bootstrapping" not in r.stderr and "Traceback" in r.stderr  # no child's riddle
     assert r.stderr.count("Traceback") == 1
+
+
+def test_kernel_choices_are_config_carried_to_every_role_and_given_back(folder):
+    from lamina.config import KernelConfig, deployment_config, kernels_in_use
+    from lamina.memnode.server import node_config
+
+    before = kernels_in_use()
+    cfg = deployment_config(folder, kernels="torch")
+    assert cfg.instance.kernels == KernelConfig("torch", "torch", "python")
+    with pytest.raises(ValueError, match="expected one of"):
+        deployment_config(folder, kernels="fastest")
+    with pytest.raises(ValueError, match="ring kernels 'zmq'"):
+        KernelConfig(ring="zmq")
+    assert node_config([], 8, "cpu", torch.float32, 4, kernels=cfg.instance.kernels)["kernels"] \
+        == {"attention": "torch", "linear": "torch", "ring": "python"}
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for name in ("auto", "torch"):
+        with LLM(folder, kv_cache_tokens=64, kernels=name) as llm:
+            assert kernels_in_use() == KernelConfig.named(name)
+            outs[name] = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert kernels_in_use() == before
+    assert outs["auto"] == outs["torch"]
+
+
+@pytest.mark.slow  # starts role processes
+def test_role_processes_compute_with_their_instance_kernels(folder):
+    from lamina.config import KernelConfig
+
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(folder, kv_cache_tokens=64, placement="procs", memory=1,
+             kernels=KernelConfig(attention="ref", linear="torch", ring="python")) as llm:
+        node = llm.deployment.instances[0].nodes[0]
+        assert node.ch._writer is None  # the engine's ring to the node: the Python codec
+        ref = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(folder, kv_cache_tokens=64) as llm:
+        assert llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref

@@ -123,10 +123,10 @@ def test_a_module_without_layout_is_refused():
         shm_fast.check_layout(mod)
 
 
-def test_load_refuses_a_mismatched_extension_every_time(monkeypatch):
+def test_load_refuses_a_mismatched_extension_every_time(monkeypatch, kernels):
     """A mismatch raises from load() (so from every channel that would use the fast path); it
     never quietly falls back to the Python path."""
-    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    kernels("auto")
     monkeypatch.setattr(shm_fast, "_checked", type(shm_fast._checked)())
     bad = fake_module(dtypes=_swap(_LAY["dtypes"], 4, 5))
     monkeypatch.setattr(shm_fast.EXTENSION, "load", lambda: bad)
@@ -138,11 +138,11 @@ def test_load_refuses_a_mismatched_extension_every_time(monkeypatch):
         ShmChannel.create(1 << 12)
     gc.collect()  # the half-built channel's segments go with it
     assert set(glob.glob(f"/dev/shm/lamina_{os.getpid()}_*")) <= before
-    monkeypatch.setenv("LAMINA_KERNELS", "torch")  # no C++ at all: nothing to check
+    kernels("torch")  # no C++ at all: nothing to check
     assert shm_fast.load() is None
     good = fake_module()
     monkeypatch.setattr(shm_fast.EXTENSION, "load", lambda: good)
-    monkeypatch.delenv("LAMINA_KERNELS")
+    kernels("auto")
     assert shm_fast.load() is good
 
 

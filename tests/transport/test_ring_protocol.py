@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.config import InstanceConfig
+from lamina.config import deployment_config
+from lamina.deployment import start_deployment
 from lamina.transport import ChannelClosed, Message, MsgKind, rdma, shm_fast
 from lamina.transport.endpoint import link_kind
 from lamina.transport.ring import RingChannel
@@ -115,8 +116,8 @@ def test_rdma_unavailable_here_names_what_is_missing():
         rdma.require()
     with pytest.raises(rdma.RdmaUnavailable):
         rdma.rdma_pair(1 << 12)
-    with pytest.raises(ValueError, match="rdma"):
-        InstanceConfig(memory=1, placement="procs", transport="rdma")
+    with pytest.raises(ValueError, match="rdma"):  # refused before anything starts
+        start_deployment(deployment_config("no-such-model", placement="procs", transport="rdma"))
     where = {"node_id": "n", "ip": "127.0.0.1"}
     with pytest.raises(rdma.RdmaUnavailable):
         link_kind("rdma", where, where)

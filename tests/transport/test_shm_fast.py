@@ -51,8 +51,8 @@ def test_the_fast_path_is_taken_by_default_and_writes_what_python_reads():
         b.close()
 
 
-def test_lamina_kernels_torch_turns_it_off_and_requiring_it_then_fails(monkeypatch):
-    monkeypatch.setenv("LAMINA_KERNELS", "torch")
+def test_lamina_kernels_torch_turns_it_off_and_requiring_it_then_fails(monkeypatch, kernels):
+    kernels("torch")
     a, b = pair(None, None)
     try:
         assert a._writer is None and b._reader is None
