@@ -25,7 +25,7 @@ from lamina.deployment import Deployment, start_deployment
 from lamina.device import CallerState
 from lamina.engine.request import Request
 from lamina.errors import NoCapacity, NodeFailure
-from lamina.outputs import CompletionOutput, RequestOutput, StreamDelta, output_text, stable_text
+from lamina.outputs import CompletionOutput, RequestOutput, StreamCursor, StreamDelta, output_text
 from lamina.timeline import Timeline
 from lamina.types import SamplingParams
 
@@ -159,8 +159,7 @@ class LLM:
         for i, (req, _, err) in enumerate(entries):
             if err is not None:
                 yield StreamDelta(-1, i, [], "", True, "error", err)
-        sent_tokens = {rid: 0 for rid in index_of}
-        sent_text = {rid: "" for rid in index_of}
+        cursors = {rid: StreamCursor() for rid in index_of}
         live = set(index_of)
         bar = tqdm(total=len(live), desc="generate", disable=not use_tqdm or not live, unit="req")
         failed = False
@@ -175,10 +174,7 @@ class LLM:
                 touched = set(step.new_tokens) | {r.req_id for r in step.finished}
                 for rid in sorted(touched & live):
                     req = d.request(rid)
-                    text = stable_text(req, self.tokenizer)
-                    new_ids = req.output_ids[sent_tokens[rid]:]
-                    delta = text[len(sent_text[rid]):] if text.startswith(sent_text[rid]) else ""
-                    sent_tokens[rid], sent_text[rid] = len(req.output_ids), text
+                    new_ids, delta = cursors[rid].advance(req, self.tokenizer)
                     if req.finished:
                         live.discard(rid)
                         bar.update(1)

@@ -60,3 +60,20 @@ def stable_text(req: Request, tokenizer) -> str:
                 if text.endswith(s[:k]):
                     return text[:-k]
     return text
+
+
+@dataclass
+class StreamCursor:
+    """How much of one request's output has been streamed: ``tokens`` ids, ``text`` characters."""
+
+    tokens: int = 0
+    text: str = ""
+
+    def advance(self, req: Request, tokenizer) -> tuple[list[int], str]:
+        """The token ids and text not streamed yet (text as :func:`stable_text` allows), and
+        move past them."""
+        text = stable_text(req, tokenizer)
+        new_ids = req.output_ids[self.tokens:]
+        delta = text[len(self.text):] if text.startswith(self.text) else ""
+        self.tokens, self.text = len(req.output_ids), text
+        return new_ids, delta

@@ -43,11 +43,7 @@ def start_deployment(config: DeploymentConfig, info: ModelInfo | None = None, *,
             from lamina.deployment.profiling import profile_perf
             progress("profiling the performance model")
             perf = profile_perf(info.split, config.instance.device, info.dtype)
-        ray = config.instance.placement == "ray"
-        return Deployment(instances, slab_size=config.cache.slab_size, borrowing=config.lends,
-                          gmanager="ray" if ray else "local", beta_thres=config.beta_thres,
-                          util_thres=config.util_thres, perf=perf,
-                          plan_every=config.plan_every, launcher=launcher,
+        return Deployment(instances, config, perf=perf, launcher=launcher,
                           restart=lambda i: start_instance(config, i, info, launcher, timeline))
     except BaseException:
         for inst in reversed(instances):

@@ -42,6 +42,7 @@ from typing import Callable
 
 from lamina.deployment.borrowing import (GManager, GManagerClient, InstanceLoad, RManager,
                                         RequestPlacementEntry, start_gmanager)
+from lamina.config import DeploymentConfig
 from lamina.deployment.kv_moves import KVMove, KVMoves, Loan
 from lamina.engine.engine import StepOutput
 from lamina.engine.request import Request
@@ -56,40 +57,47 @@ REVIVE_S = 5.0  # seconds between restart attempts of an instance whose restart 
 class Deployment(KVMoves):
     """Several instances behind one router; see the module docstring.
 
-    ``gmanager``: ``"local"`` (an object in this process) or ``"ray"`` (a Ray actor; needs
-    Ray). ``plan_every``: run the gManager's greedy placement every that many rounds (0:
-    reactive borrowing only) with ``perf`` (a :class:`~lamina.deployment.borrowing.PerfModel`).
+    ``config`` is the chain the instances were started from (the slab size, whether pools lend,
+    the gManager's thresholds and ``plan_every``: run its greedy placement every that many
+    rounds, 0: reactive borrowing only, with ``perf``, a
+    :class:`~lamina.deployment.borrowing.PerfModel`). ``gmanager``: ``"local"`` (an object in
+    this process) or ``"ray"`` (a Ray actor; the default under the ``ray`` placement).
     ``launcher`` (closed last) placed the instances' roles. Built by
     :func:`lamina.deployment.start_deployment`.
     """
 
-    def __init__(self, instances: list[Instance], *, slab_size: int, borrowing: bool = True,
-                 gmanager: str = "local", beta_thres: int = 8, util_thres: float = 0.5,
-                 perf=None, plan_every: int = 0, launcher=None,
+    def __init__(self, instances: list[Instance], config: DeploymentConfig, *,
+                 gmanager: str | None = None, perf=None, launcher=None,
                  restart: Callable[[int], Instance] | None = None):
         if not instances:
             raise ValueError("a deployment needs at least one instance")
+        gmanager = gmanager or ("ray" if config.instance.placement == "ray" else "local")
         if gmanager not in ("local", "ray"):
             raise ValueError(f"gmanager must be 'local' or 'ray', got {gmanager!r}")
         self.instances = instances
+        self.config = config
         self.launcher = launcher  # closed last (a Ray launcher may own Ray)
         self.restart = restart  # inst_id -> a fresh instance (None: failures are final)
         self.recoveries = 0
         self.recomputed_tokens = 0  # tokens whose KV was recomputed after a recovery
-        self.slab = slab_size
-        self.borrowing = borrowing
-        self.plan_every = plan_every
+        self.slab = config.cache.slab_size
+        self.borrowing = config.lends
+        self.plan_every = config.plan_every
         self.loans: dict[tuple[int, int], Loan] = {}  # (debtor, debtor_node) -> loan
         self.moves = 0
         self._rounds = itertools.count(1)
         self.gmanager: GManagerClient | None = None
-        if borrowing:
-            kw = dict(beta_thres=beta_thres, util_thres=util_thres, perf=perf)
-            target = start_gmanager(slab_size, **kw) if gmanager == "ray" else GManager(slab_size, **kw)
+        if self.borrowing:
+            kw = dict(beta_thres=config.beta_thres, util_thres=config.util_thres, perf=perf)
+            target = start_gmanager(self.slab, **kw) if gmanager == "ray" else GManager(self.slab, **kw)
             self.gmanager = GManagerClient(target)
             for inst in instances:
                 self._lend(inst)
         self.heartbeat()
+
+    def slabs(self, slots: int) -> int:
+        """Slabs that ``slots`` KV slots take (the last one partial)."""
+        return -(-slots // self.slab)
 
     def _lend(self, inst: Instance) -> None:
         inst.scheduler.lender = _Lender(self, inst.inst_id)
@@ -281,7 +289,7 @@ class Deployment(KVMoves):
             n = sum(sh.length for sh in req.shards if sh.node < inst.own_nodes)
             if n:
                 slabs[req.req_id] = n
-        entries = {r: RequestPlacementEntry(r, i, -(-n // self.slab), True) for r, n in slabs.items()}
+        entries = {r: RequestPlacementEntry(r, i, self.slabs(n), True) for r, n in slabs.items()}
         for loan in self.loans.values():
             if loan.creditor != i:
                 continue
@@ -289,10 +297,10 @@ class Deployment(KVMoves):
                 n = sum(sh.length for sh in req.shards if sh.node == loan.debtor_node)
                 if n:
                     prev = entries.get(req.req_id)
-                    k = -(-n // self.slab) + (prev.num_slabs if prev else 0)
+                    k = self.slabs(n) + (prev.num_slabs if prev else 0)
                     entries[req.req_id] = RequestPlacementEntry(req.req_id, i, k, False)
         load = InstanceLoad(i, len(s.running), len(s.waiting), total // self.slab,
-                            -(-used // self.slab))
+                            self.slabs(used))
         return load, entries
 
     # -- loans -----------------------------------------------------------------------------------
@@ -333,7 +341,7 @@ class Deployment(KVMoves):
         exclude: list[int] = [x.inst_id for x in self.instances if x.failed is not None]
         got = 0
         while got < num_slots:
-            res = self.gmanager.call("try_borrow", debtor, -(-(num_slots - got) // self.slab),
+            res = self.gmanager.call("try_borrow", debtor, self.slabs(num_slots - got),
                                      tuple(exclude))
             if res is None:
                 break

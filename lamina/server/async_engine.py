@@ -24,7 +24,7 @@ from lamina.engine.engine import Engine
 from lamina.errors import NoCapacity
 if TYPE_CHECKING:
     from lamina.deployment.deployment import Deployment
-from lamina.outputs import StreamDelta, stable_text
+from lamina.outputs import StreamCursor, StreamDelta
 from lamina.engine.request import Request
 from lamina.types import SamplingParams
 
@@ -55,8 +55,7 @@ class _Stream:
     req: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    sent_tokens: int = 0
-    sent_text: str = ""
+    cursor: StreamCursor = field(default_factory=StreamCursor)  # what was streamed
     submitted: float = 0.0
     last_token: float = 0.0
 
@@ -197,15 +196,12 @@ class AsyncEngine:
             req = st.req
             if rid in step.new_tokens:
                 self.metrics.generated_tokens += 1
-                if st.sent_tokens == 0 and not st.last_token:
+                if st.cursor.tokens == 0 and not st.last_token:
                     self.metrics.ttft_s.append(now - st.submitted)
                 else:
                     self.metrics.tbt_s.append(now - st.last_token)
                 st.last_token = now
-            text = stable_text(req, self.tokenizer)
-            new_ids = req.output_ids[st.sent_tokens:]
-            delta = text[len(st.sent_text):] if text.startswith(st.sent_text) else ""
-            st.sent_tokens, st.sent_text = len(req.output_ids), text
+            new_ids, delta = st.cursor.advance(req, self.tokenizer)
             if req.finished:
                 self._streams.pop(rid, None)
                 self.engine.forget(rid)

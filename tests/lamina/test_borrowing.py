@@ -42,7 +42,7 @@ def _deployment(folder, kv_cache_tokens: int) -> Deployment:
                                kv_cache_tokens=kv_cache_tokens, slab_size=8)
     info = load_model_info(config)
     instances = [start_instance(config, i, info, None) for i in range(config.instances)]
-    return Deployment(instances, slab_size=config.cache.slab_size, gmanager="ray")
+    return Deployment(instances, config, gmanager="ray")
 
 
 def _load(inst, batch=1, waiting=0, total=10, used=0):
