@@ -26,6 +26,7 @@ import json
 import multiprocessing as mp
 import random
 import socket
+from dataclasses import asdict
 import struct
 import sys
 import threading
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
 
     primary = listen("tcp")
     host, port = primary.endpoint["host"], int(primary.endpoint["port"])
-    config = node_config([SPEC], 4096, "cpu", torch.float32, 4, num_threads=1)
+    config = asdict(node_config([SPEC], 4096, "cpu", torch.float32, 4, num_threads=1))
     proc = mp.get_context("spawn").Process(target=serve_node, args=(primary.endpoint, config),
                                            daemon=True)
     for _ in range(5):  # the engine's own listener, before the node joins

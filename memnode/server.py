@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -148,32 +148,50 @@ class NodeServer:
             lst.close()
 
 
+@dataclass
+class NodeConfig:
+    """What a memory-node process needs besides its channel (plain data, sent at spawn):
+    ``specs`` (:class:`AttentionSpec` fields), ``capacity`` slots in slabs of ``slab_size``,
+    ``dtype`` (a torch dtype name) on ``device``; ``cores`` the CPU cores the node owns (it
+    pins itself and runs one thread per core; None: ``num_threads`` threads, unpinned);
+    ``spin``: it owns them alone, so its receivers on replica (data) links never sleep (the
+    control link always may); ``kernels``: the :class:`KernelConfig` fields it computes with
+    (None: its process's default)."""
+
+    specs: list[dict]
+    capacity: int
+    slab_size: int
+    dtype: str
+    device: str = "cpu"
+    num_threads: int = 1
+    cores: list[int] | None = None
+    spin: bool = False
+    kernels: dict | None = None
+
+
 def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: torch.dtype,
                 slab_size: int, num_threads: int = 1, cores: list[int] | None = None,
-                spin: bool = False, kernels: KernelConfig | None = None) -> dict[str, Any]:
-    """Everything a memory-node server needs, as plain data (a process argument): ``device``
-    a torch device string; ``cores`` the CPU cores the node owns (it pins itself and runs one
-    thread per core; None: ``num_threads`` threads, unpinned); ``spin``: it owns them alone,
-    so its receivers on replica (data) links never sleep; the control link always may;
-    ``kernels``: what the node computes with (None: its process's default)."""
-    return {"specs": [asdict(s) for s in specs], "capacity": capacity, "slab_size": slab_size,
-            "dtype": dtype_name(dtype), "device": str(device),
-            "num_threads": num_threads, "cores": cores, "spin": spin,
-            "kernels": asdict(kernels) if kernels is not None else None}
+                spin: bool = False, kernels: KernelConfig | None = None) -> NodeConfig:
+    """A :class:`NodeConfig` from the engine's objects."""
+    return NodeConfig([asdict(s) for s in specs], capacity, slab_size, dtype_name(dtype),
+                      str(device), num_threads, cores, spin,
+                      asdict(kernels) if kernels is not None else None)
 
 
-def build_node(config: dict[str, Any]) -> MemoryNode:
-    """A MemoryNode from the plain-data ``config`` made by :func:`node_config`."""
-    specs = [AttentionSpec(**s) for s in config["specs"]]
-    return MemoryNode(specs, config["capacity"], slab_size=config["slab_size"],
-                      dtype=getattr(torch, config["dtype"]), device=config["device"])
+def build_node(config: NodeConfig) -> MemoryNode:
+    """The MemoryNode ``config`` describes."""
+    return MemoryNode([AttentionSpec(**s) for s in config.specs], config.capacity,
+                      slab_size=config.slab_size, dtype=getattr(torch, config.dtype),
+                      device=config.device)
 
 
 def serve_node(endpoint: dict[str, Any], config: dict[str, Any]) -> None:
     """A role's entry point (a process or an actor thread): join the primary channel at
-    ``endpoint``, build the node from ``config``, serve until SHUTDOWN or the engine is gone."""
-    own_cores(config.get("cores"), None if config.get("cores") else config.get("num_threads", 1))
-    if config.get("kernels"):
-        use_kernels(KernelConfig(**config["kernels"]))
+    ``endpoint``, build the node from ``config`` (a :class:`NodeConfig` as a dict), serve until
+    SHUTDOWN or the engine is gone."""
+    cfg = NodeConfig(**config)
+    own_cores(cfg.cores, None if cfg.cores else cfg.num_threads)
+    if cfg.kernels:
+        use_kernels(KernelConfig(**cfg.kernels))
     ch = connect(endpoint)  # control: sleeps when idle
-    NodeServer(build_node(config), spin=bool(config.get("spin"))).serve(ch)
+    NodeServer(build_node(cfg), spin=cfg.spin).serve(ch)

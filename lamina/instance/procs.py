@@ -104,8 +104,8 @@ def start_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: 
     device's cores and computes with ``kernels``); the engine's clients of them
     (``client.process`` is the role's handle; the caller stops it)."""
     spin = spin or [False] * len(devices)
-    configs = [node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
-                           list(d.cores) if d.cores else None, sp, kernels)
+    configs = [asdict(node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
+                                  list(d.cores) if d.cores else None, sp, kernels))
                for d, sp in zip(devices, spin)]
     handles, channels = start_roles(launcher, serve_node, configs, role="memory",
                                     device=devices[0].torch, transport=transport)

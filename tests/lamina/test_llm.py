@@ -88,7 +88,7 @@ def test_kernel_choices_are_config_carried_to_every_role_and_given_back(folder):
         deployment_config(folder, kernels="fastest")
     with pytest.raises(ValueError, match="ring kernels 'zmq'"):
         KernelConfig(ring="zmq")
-    assert node_config([], 8, "cpu", torch.float32, 4, kernels=cfg.instance.kernels)["kernels"] \
+    assert node_config([], 8, "cpu", torch.float32, 4, kernels=cfg.instance.kernels).kernels \
         == {"attention": "torch", "linear": "torch", "ring": "python"}
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outs = {}
