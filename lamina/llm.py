@@ -8,11 +8,13 @@
 An ``LLM`` is a deployment of ``instances`` instances (each: one engine, ``compute`` replicas,
 ``memory`` memory nodes) placed ``inproc``, as ``procs`` or on ``ray`` (:mod:`lamina.instance`),
 behind one router, with KV borrowing between their pools. A bad request (empty prompt, prompt
-longer than every pool together, token ids out of range) gets its ``RequestOutput.error`` set
-to a clear ``ValueError`` and the rest of the call completes. Invalid ``SamplingParams`` raise
-ValueError when constructed. A memory node or replica that dies raises
-:class:`~lamina.errors.NodeFailure` (with one instance; with several, that instance's requests
-fail and the others go on) and the ``LLM`` shuts every role down.
+longer than every pool together, token ids out of range, ``max_tokens`` past the context) gets
+its ``RequestOutput.error`` set to a clear ``ValueError`` and the rest of the call completes.
+Invalid ``SamplingParams`` raise ValueError when constructed. A memory node or replica that
+dies fails its step with :class:`~lamina.errors.NodeFailure`; the deployment replaces its
+instance and the instance's unfinished requests recompute (nothing is lost). If the
+replacement cannot start, that instance's requests end with the error, and with no instance
+left new requests raise :class:`~lamina.errors.NoCapacity` while restarts are retried.
 """
 from __future__ import annotations
 
