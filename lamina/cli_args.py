@@ -56,7 +56,6 @@ _GROUPS = {
                                 "max_num_batched_tokens", "borrowing", "plan_every"),
 }
 _TYPES = {"kv_cache_tokens": int, "micro_batches": int}  # settings whose default is None
-_UNSET = ("kernels",)  # no flag: the config's default (the environment's choice)
 
 
 def add_deployment_args(p: argparse.ArgumentParser, **defaults) -> None:
@@ -66,7 +65,7 @@ def add_deployment_args(p: argparse.ArgumentParser, **defaults) -> None:
         g = p.add_argument_group(title) if title else p
         for name in names:
             help_, choices = _HELP[name]
-            default = defaults.get(name, None if name in _UNSET else SETTINGS[name])
+            default = defaults.get(name, SETTINGS[name])
             flag = "--" + name.replace("_", "-")
             if isinstance(default, bool):
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
@@ -80,5 +79,4 @@ def add_deployment_args(p: argparse.ArgumentParser, **defaults) -> None:
 def config_from_args(args: argparse.Namespace):
     """The config chain (a :class:`~lamina.config.DeploymentConfig`) of the flags added by
     :func:`add_deployment_args`."""
-    return deployment_config(**{name: getattr(args, name) for name in _HELP
-                                if name not in _UNSET or getattr(args, name) is not None})
+    return deployment_config(**{name: getattr(args, name) for name in _HELP})

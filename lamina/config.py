@@ -188,11 +188,11 @@ class InstanceConfig:
     spin: bool = True
     cuda_graphs: bool = False
     device_polling: str = "off"
-    kernels: KernelConfig = field(default_factory=lambda: KernelConfig.named(env.KERNELS))
+    kernels: KernelConfig | str | None = None  # None: what LAMINA_KERNELS names
 
     def __post_init__(self) -> None:
-        if isinstance(self.kernels, str):  # one name, as LAMINA_KERNELS and --kernels give it
-            object.__setattr__(self, "kernels", KernelConfig.named(self.kernels))
+        if not isinstance(self.kernels, KernelConfig):  # a name, as --kernels gives it, or None
+            object.__setattr__(self, "kernels", KernelConfig.named(self.kernels or env.KERNELS))
         if self.memory < 1:
             raise ValueError(f"memory must be >= 1, got {self.memory}")
         if self.placement not in PLACEMENTS:
