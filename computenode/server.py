@@ -42,7 +42,7 @@ from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
-from lamina.transport.endpoint import Listening, connect, listen
+from lamina.transport.endpoint import SPIN_US, Listening, connect, listen
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, PrepareMsg
@@ -70,6 +70,7 @@ class ReplicaConfig:
     micro_batches: int = 1  # slots in flight and ...
     max_step_tokens: int = 0  # ... tokens per micro-batch: polling's staging, made up front
     kernels: dict | None = None  # the KernelConfig's fields (None: the process's default)
+    spin_us: float = SPIN_US  # how long receivers poll before sleeping (0: cores shared)
 
 
 def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
@@ -80,7 +81,7 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
     own_cores(cfg.cores, None if cfg.cores else cfg.num_threads)
     if cfg.kernels:
         use_kernels(KernelConfig(**cfg.kernels))
-    ctrl = connect(endpoint)
+    ctrl = connect(endpoint, spin_us=cfg.spin_us)
     try:
         if cfg.device_polling == "cuda":
             eager_module_loading()  # before the model's load starts CUDA
@@ -187,16 +188,17 @@ class ReplicaServer:
                 self.early.clear()
                 return True
             if msg.kind == MsgKind.OPEN:  # a channel for the previous replica's contexts
-                lst = listen(msg.meta.get("kind", "shm"), msg.meta.get("host", "127.0.0.1"))
+                lst = listen(msg.meta.get("kind", "shm"), msg.meta.get("host", "127.0.0.1"),
+                             spin_us=self.cfg.spin_us)
                 self.ctrl.send(codec.ok({"endpoint": lst.endpoint}))
                 self._reader("previous", lst)
                 return True
             if msg.kind == MsgKind.CONNECT:
                 for ep in msg.meta["nodes"]:
-                    self.nodes.append(connect(ep))
+                    self.nodes.append(connect(ep, spin_us=self.cfg.spin_us))
                     self._reader(("node", len(self.nodes) - 1), self.nodes[-1])
                 if msg.meta.get("next") is not None:
-                    self.next = connect(msg.meta["next"])
+                    self.next = connect(msg.meta["next"], spin_us=self.cfg.spin_us)
                 reply = codec.ok()
                 reply.step_id = msg.step_id  # the engine may match it among its steps' replies
                 self.ctrl.send(reply)

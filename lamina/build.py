@@ -81,7 +81,8 @@ def _cause(exc: BaseException) -> str:
 
 class Extension:
     """One C++ extension: ``name`` (a Python identifier), ``sources`` (compiled), ``headers``
-    (hashed into the key only), ``fallback`` (what the warning says is used instead)."""
+    (hashed into the key only; their folders are on the include path), ``fallback`` (what the
+    warning says is used instead)."""
 
     def __init__(self, name: str, sources: tuple[Path, ...], headers: tuple[Path, ...] = (),
                  fallback: str = "the torch paths") -> None:
@@ -126,6 +127,8 @@ class Extension:
             return cpp_extension.load(name=f"{self.name}_{key}",
                                       sources=[str(s) for s in self.sources],
                                       extra_cflags=list(cflags), extra_ldflags=list(LDFLAGS),
+                                      extra_include_paths=sorted({str(h.parent)
+                                                                  for h in self.headers}),
                                       build_directory=str(build_dir), verbose=verbose)
 
     def load(self, extra: tuple[str, ...] | None = None,

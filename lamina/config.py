@@ -20,6 +20,7 @@ POLLING = ("off", "cuda", "emulated")
 ATTENTION_KERNELS = ("auto", "cpp", "triton", "torch", "batched", "ref")
 LINEAR_KERNELS = ("auto", "packed", "torch")
 RING_CODECS = ("auto", "cpp", "python")
+NODE_PLANES = ("auto", "native", "python")
 
 
 @dataclass(frozen=True)
@@ -32,16 +33,19 @@ class KernelConfig:
     * ``linear``: decode-sized linear layers on CPU: ``auto`` (the packed C++ kernel where it
       builds), ``packed`` (that kernel or an error), ``torch`` (:mod:`lamina.computenode.cpu_linear`);
     * ``ring``: the shared-memory ring's codec: ``auto`` (the C++ fast path where it builds),
-      ``cpp`` (that or an error), ``python`` (:mod:`lamina.transport.shm_fast`).
+      ``cpp`` (that or an error), ``python`` (:mod:`lamina.transport.shm_fast`);
+    * ``plane``: who serves a memory node's ATTENDs: ``auto`` (the native plane where it builds
+      and applies), ``native`` (that or an error), ``python`` (:mod:`lamina.memnode.native`).
     """
 
     attention: str = "auto"
     linear: str = "auto"
     ring: str = "auto"
+    plane: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in (("attention", ATTENTION_KERNELS), ("linear", LINEAR_KERNELS),
-                              ("ring", RING_CODECS)):
+                              ("ring", RING_CODECS), ("plane", NODE_PLANES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} kernels {getattr(self, name)!r}: expected one of "
                                  f"{', '.join(choices)}")
@@ -50,12 +54,12 @@ class KernelConfig:
     def named(cls, name: str) -> "KernelConfig":
         """The choices by one name, as ``LAMINA_KERNELS`` and ``--kernels`` give them: an
         attention backend, with torch linear layers unless it is ``auto`` or ``cpp``; ``torch``
-        also means the Python ring (no C++ at all)."""
+        also means the Python ring and ATTEND path (no C++ at all)."""
         if name not in ATTENTION_KERNELS:
             raise ValueError(f"kernels {name!r} (LAMINA_KERNELS / --kernels): expected one of "
                              f"{', '.join(ATTENTION_KERNELS)}")
-        return cls(name, "auto" if name in ("auto", "cpp") else "torch",
-                   "python" if name == "torch" else "auto")
+        python = "python" if name == "torch" else "auto"
+        return cls(name, "auto" if name in ("auto", "cpp") else "torch", python, python)
 
 
 _KERNELS: list[KernelConfig] = []  # this process's choices, once a role or deployment set them

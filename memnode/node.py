@@ -10,6 +10,10 @@ the dataclasses of :mod:`lamina.types`:
   the whole step, or for one mini-batch of its works).
 * ``free(req_ids)``, ``free_range``, ``export``, ``import_kv``, ``fork``, ``cancel``, ``stats``.
 
+A native data plane (:mod:`lamina.memnode.native`, :attr:`MemoryNode.plane`) may serve ATTENDs
+beside these methods, on the same state: prepared steps are registered with it, and
+:meth:`MemoryNode.sync` ends the steps it finished (its server calls it before each request).
+
 Semantics (the contract other components rely on):
 
 * **Shards.** Appended positions must start at the request's shard end on this node, or open
@@ -40,7 +44,7 @@ Semantics (the contract other components rely on):
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -53,6 +57,9 @@ from lamina.memnode.plan import StepState, build_step
 from lamina.memnode.shard import Shard
 from lamina.types import (AttendMsg, AttendResult, AttentionSpec, KVChunk, NodeStats, PrepareMsg,
                           ShardWork)
+
+if TYPE_CHECKING:
+    from lamina.memnode.native import NativePlane
 
 __all__ = ["MemoryNode", "OutOfSlots", "UnknownRequest", "UnknownStep", "RequestBusy"]
 
@@ -102,6 +109,17 @@ class MemoryNode:
         self._shards: dict[int, Shard] = {}
         self._steps: dict[int, StepState] = {}
         self._attend_ns = 0  # cumulative ATTEND time, reported by STATS
+        self.plane: NativePlane | None = None  # a native data plane serving ATTENDs (see sync)
+
+    def sync(self) -> None:
+        """End the steps whose last layer the native plane attended (:attr:`plane`, which
+        serves ATTENDs beside these methods; the caller holds its lock). Every method below
+        sees a node with no finished step left once this ran."""
+        if self.plane is not None:
+            for step_id in self.plane.finished():
+                step = self._steps.get(step_id)
+                if step is not None:
+                    self._finish(step)
 
     # -- PREPARE ------------------------------------------------------------------------------
     def prepare(self, msg: PrepareMsg) -> None:
@@ -132,6 +150,8 @@ class MemoryNode:
             sh.pending, sh.step = w.num_append, msg.step_id
             step.shards.append(sh)
         self._steps[msg.step_id] = step
+        if self.plane is not None:
+            self.plane.add_step(step)
 
     def _check_work(self, w: ShardWork, seen: set[int]) -> Shard | None:
         if min(w.q_start, w.num_q, w.append_start, w.num_append) < 0:
@@ -171,11 +191,11 @@ class MemoryNode:
         li = self._layer_index.get(msg.layer)
         if li is None:
             raise ValueError(f"layer {msg.layer} has no AttentionSpec on this node")
-        if li not in step.layers_left:
+        first = int(step.progress[li])
+        if first < 0:
             raise ValueError(f"step {msg.step_id}: layer {msg.layer} was already attended")
         spec = self.specs[li]
         R = len(step.works)
-        first = step.next_work.get(li, 0)
         a, b = msg.works if msg.works is not None else (first, R)
         if a != first or not (a < b <= R or a == b == R == 0):
             raise ValueError(f"step {msg.step_id} layer {msg.layer}: works [{a}, {b}) do not "
@@ -196,11 +216,11 @@ class MemoryNode:
                                  qo_indptr, kv_indptr, idx.kv_indices, view.q_positions,
                                  idx.kv_start_pos, spec)
         if b < R:
-            step.next_work[li] = b
+            step.progress[li] = b
         else:
-            step.next_work.pop(li, None)
-            step.layers_left.discard(li)
-            if not step.layers_left:
+            step.progress[li] = -1
+            step.progress[-1] -= 1
+            if step.progress[-1] == 0:
                 self._finish(step)
         t1 = time.perf_counter_ns()
         self._attend_ns += t1 - t0
@@ -208,6 +228,8 @@ class MemoryNode:
 
     def _finish(self, step: StepState) -> None:
         del self._steps[step.step_id]
+        if self.plane is not None:
+            self.plane.drop_step(step.step_id)
         for sh in step.shards:
             sh.pending, sh.step = 0, None
         for slots in step.deferred_free:
@@ -343,5 +365,6 @@ class MemoryNode:
         return NodeStats(capacity_slots=a.capacity, used_slots=a.num_used, free_slots=a.num_free,
                          slab_size=a.slab_size, total_slabs=a.num_slabs, used_slabs=a.used_slabs,
                          free_slabs=a.free_slabs, num_requests=len(self._shards),
-                         attend_us=self._attend_ns // 1000,
+                         attend_us=(self._attend_ns + (self.plane.attend_ns if self.plane
+                                                       else 0)) // 1000,
                          shards={r: (sh.start, sh.length) for r, sh in self._shards.items()})

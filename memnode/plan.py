@@ -73,10 +73,11 @@ class StepState:
     q_positions: torch.Tensor  # int64 [Tq]
     append_slots: torch.Tensor  # int64 [Ta]: slots of the appended rows of ATTEND's k/v
     kv: dict[int | None, KernelIndex]  # window -> key indices
-    layers_left: set[int]  # pool layers not attended yet
     q_indptr: np.ndarray  # host: cumulative num_q and num_append per work, [R+1]
     a_indptr: np.ndarray
-    next_work: dict[int, int] = field(default_factory=dict)  # layer -> first work not attended
+    # host int64 [L + 1]: [i] the first work of pool layer i not attended yet (-1: all were),
+    # [L] the layers left; moved by MemoryNode.attend and by the native plane alike
+    progress: np.ndarray
     deferred_free: list[np.ndarray] = field(default_factory=list)  # slots freed while in flight
 
     def view(self, a: int, b: int) -> StepView:
@@ -146,6 +147,8 @@ def build_step(step_id: int, works: list[ShardWork], shards: list[Shard | None],
     append = np.concatenate(new_slots) if new_slots else empty
     a_indptr = np.zeros(R + 1, dtype=np.int64)
     np.cumsum([n.size for n in new_slots], out=a_indptr[1:])
+    progress = np.zeros(num_layers + 1, dtype=np.int64)
+    progress[-1] = num_layers
     return StepState(step_id=step_id, works=list(works), shards=[],
                      q_positions=to_dev(q_positions), append_slots=to_dev(append), kv=kv,
-                     layers_left=set(range(num_layers)), q_indptr=qo_indptr, a_indptr=a_indptr)
+                     q_indptr=qo_indptr, a_indptr=a_indptr, progress=progress)

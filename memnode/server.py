@@ -28,6 +28,7 @@ import torch
 from lamina.config import KernelConfig, dtype_name, use_kernels
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
+from lamina.memnode.native import IDLE, plane_for
 from lamina.memnode.node import MemoryNode
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
@@ -39,8 +40,10 @@ codec.register_error(NodeFailure)
 
 
 def handle(node: MemoryNode, msg: Message) -> Message:
-    """One request -> one reply (see module docstring). Exceptions become ERROR replies."""
+    """One request -> one reply (see module docstring). Exceptions become ERROR replies. The
+    caller holds the node's lock."""
     try:
+        node.sync()
         kind = msg.kind
         if kind == MsgKind.ATTEND:
             return codec.to_message(node.attend(codec.from_message(msg)))
@@ -76,13 +79,18 @@ def error_reply(e: BaseException, msg: Message) -> Message:
 
 class NodeServer:
     """A memory node served on its primary channel and on the peer channels it opens (see the
-    module docstring)."""
+    module docstring). With a native plane (:mod:`lamina.memnode.native`; ``node.plane`` is set
+    here where one applies) each peer's thread lets the plane serve the ATTENDs it can, and
+    takes the other messages the Python way; the plane's mutex is then the node's lock."""
 
-    def __init__(self, node: MemoryNode, spin: bool = False):
+    def __init__(self, node: MemoryNode, spin_us: float = SPIN_US):
         self.node = node
-        self.spin_us = float("inf") if spin else SPIN_US  # on peer (data) links
-        self.lock = threading.Lock()
+        self.spin_us = spin_us  # on peer (data) links
+        node.plane = plane_for(node)
+        self.plane = node.plane
+        self.lock = self.plane.lock if self.plane is not None else threading.Lock()
         self.peers: dict[int, Listening] = {}
+        self._native_peers: set[int] = set()  # peers whose reply ring the plane writes
 
     def serve(self, ch) -> None:
         """Serve the primary channel until SHUTDOWN or its peer is gone; then close peers."""
@@ -91,6 +99,9 @@ class NodeServer:
         finally:
             with self.lock:
                 peers, self.peers = list(self.peers.values()), {}
+                for peer in self._native_peers:
+                    self.plane.remove_peer(peer)
+                self._native_peers.clear()
             for p in peers:
                 p.close()
 
@@ -109,17 +120,36 @@ class NodeServer:
             return codec.to_message(ValueError(f"OPEN needs an int 'peer' and a channel kind: {e}"))
         with self.lock:
             old = self.peers.pop(peer, None)
+            self._forget_native(peer)  # before the old channel closes
             self.peers[peer] = lst
         if old is not None:
             old.close()
         threading.Thread(target=self._serve_peer, args=(peer, lst), daemon=True).start()
         return codec.ok({"endpoint": lst.endpoint})
 
+    def _forget_native(self, peer: int) -> None:
+        """The plane stops writing to ``peer`` (the caller holds the lock)."""
+        if peer in self._native_peers:
+            self._native_peers.discard(peer)
+            self.plane.remove_peer(peer)
+
     def _serve_peer(self, peer: int, lst: Listening) -> None:
         try:
             ch = lst.channel()
+            plane = self.plane
+            if plane is not None:
+                with self.lock:
+                    tx = ch.native_tx()
+                    if tx is not None and self.peers.get(peer) is lst:
+                        plane.add_peer(peer, tx)
+                        self._native_peers.add(peer)
             while True:
-                msg = ch.recv()
+                if plane is not None:
+                    status = ch.serve_native(plane.serve)
+                    if status == IDLE:
+                        ch.wait_readable()
+                        continue
+                msg = ch.recv()  # Python's: the plane handed it over, or there is none
                 with self.lock:
                     to = self.peers.get(msg.reply_to) if msg.kind == MsgKind.ATTEND else lst
                     if to is None:  # checked first: a rejected ATTEND changes nothing
@@ -134,6 +164,7 @@ class NodeServer:
                             raise
                         # the next replica is gone: forget it, tell the sender, go on
                         self.peers.pop(msg.reply_to, None)
+                        self._forget_native(msg.reply_to)
                         ch.send(error_reply(NodeFailure(
                             f"compute replica {msg.reply_to} is gone: {e}"), msg))
         except (PeerDied, ChannelClosed, TimeoutError):
@@ -145,6 +176,7 @@ class NodeServer:
             with self.lock:
                 if self.peers.get(peer) is lst:
                     del self.peers[peer]
+                    self._forget_native(peer)
             lst.close()
 
 
@@ -154,8 +186,8 @@ class NodeConfig:
     ``specs`` (:class:`AttentionSpec` fields), ``capacity`` slots in slabs of ``slab_size``,
     ``dtype`` (a torch dtype name) on ``device``; ``cores`` the CPU cores the node owns (it
     pins itself and runs one thread per core; None: ``num_threads`` threads, unpinned);
-    ``spin``: it owns them alone, so its receivers on replica (data) links never sleep (the
-    control link always may); ``kernels``: the :class:`KernelConfig` fields it computes with
+    ``spin_us``: how long its receivers on replica (data) links poll before sleeping (``inf``:
+    it owns its cores alone and never sleeps; the control link always may); ``kernels``: the :class:`KernelConfig` fields it computes with
     (None: its process's default)."""
 
     specs: list[dict]
@@ -165,16 +197,16 @@ class NodeConfig:
     device: str = "cpu"
     num_threads: int = 1
     cores: list[int] | None = None
-    spin: bool = False
+    spin_us: float = SPIN_US
     kernels: dict | None = None
 
 
 def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: torch.dtype,
                 slab_size: int, num_threads: int = 1, cores: list[int] | None = None,
-                spin: bool = False, kernels: KernelConfig | None = None) -> NodeConfig:
+                spin_us: float = SPIN_US, kernels: KernelConfig | None = None) -> NodeConfig:
     """A :class:`NodeConfig` from the engine's objects."""
     return NodeConfig([asdict(s) for s in specs], capacity, slab_size, dtype_name(dtype),
-                      str(device), num_threads, cores, spin,
+                      str(device), num_threads, cores, spin_us,
                       asdict(kernels) if kernels is not None else None)
 
 
@@ -194,4 +226,4 @@ def serve_node(endpoint: dict[str, Any], config: dict[str, Any]) -> None:
     if cfg.kernels:
         use_kernels(KernelConfig(**cfg.kernels))
     ch = connect(endpoint)  # control: sleeps when idle
-    NodeServer(build_node(cfg), spin=cfg.spin).serve(ch)
+    NodeServer(build_node(cfg), spin_us=cfg.spin_us).serve(ch)

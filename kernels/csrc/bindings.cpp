@@ -31,6 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "kv_start_pos, scale, window, softcap) -> (o, lse); window <= 0 / softcap <= 0: none",
         nogil);
   m.def("simd_features", &simd_features, "SIMD paths compiled in");
+  // for native callers in this process (the memory node's ATTEND loop): the kernel itself
+  m.attr("paged_attention_fn") = py::capsule(reinterpret_cast<void*>(&paged_attention),
+                                             "lamina.paged_attention");
   m.def("read_kv_rows", &read_kv_rows,
         "read_kv_rows(k_pool, v_pool, kv_indices) -> a fold of the rows: the KV read alone "
         "(the kernel bench's ceiling)", nogil);

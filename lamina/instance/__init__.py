@@ -28,7 +28,7 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.server import ReplicaConfig
 from lamina.config import CacheConfig, DeploymentConfig, dtype_name
-from lamina.device import exclusive, own_cores, parse
+from lamina.device import Device, exclusive, own_cores, parse
 from lamina.engine.engine import Engine
 from lamina.instance.inproc import InProcessReplicas
 from lamina.instance.launcher import Launcher
@@ -37,6 +37,7 @@ from lamina.models import eos_token_ids, load_model
 from lamina.split_cache import load_split
 from lamina.splitter import SplitModel
 from lamina.timeline import Timeline
+from lamina.transport.endpoint import SPIN_US
 from lamina.transport.node_client import InProcessNode, NodeClient
 from lamina.types import AttentionSpec
 
@@ -173,13 +174,10 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         closers: list[Callable[[], None]] = [worker.close]
     else:
         from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
-        # a memory node alone on its cores polls its replicas' links instead of sleeping
-        # (one instance per host only); a replica's receivers share its cores with its slices
-        spin = (exclusive(replica_devs + node_devs) if config.instances == 1 and icfg.spin
-                else [False] * (len(replica_devs) + len(node_devs)))
+        spin = receiver_spin(replica_devs, node_devs, config.instances == 1 and icfg.spin)
         nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
                                    slab_size=config.cache.slab_size, transport=icfg.transport,
-                                   num_threads=icfg.num_threads, spin=spin[len(replica_devs):],
+                                   num_threads=icfg.num_threads, spin_us=spin[len(replica_devs):],
                                    kernels=icfg.kernels)
         closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
         template = ReplicaConfig(config.model.model, replica_devs[0].torch,
@@ -192,7 +190,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         try:
             worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
                                     num_slices=len(info.split.slices), transport=icfg.transport,
-                                    timeline=timeline)
+                                    timeline=timeline, spin_us=spin[:len(replica_devs)])
         except BaseException:
             closers[0]()
             raise
@@ -205,6 +203,24 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                     info.vocab_size, id_base=inst_id * ID_STRIDE,
                     micro_batches=icfg.pipeline.micro_batches)
     return Instance(inst_id, engine, nodes, closers, [cap] * icfg.memory)
+
+
+def receiver_spin(replica_devs: list[Device], node_devs: list[Device], own_core_spin: bool
+                  ) -> list[float]:
+    """How long each role's receivers busy-poll before sleeping on a doorbell (``spin_us`` of
+    its links; replicas, then nodes): a memory node alone on its cores polls for good
+    (``inf``, with ``own_core_spin``: one instance per host, ``spin`` set); a role that shares
+    its pinned cores with another never polls (``0``: the poll would take the core the other
+    role needs to answer); the rest poll briefly (:data:`SPIN_US`). Replicas never poll for
+    good: their cores run the slices."""
+    devs = replica_devs + node_devs
+    out = []
+    for i, (d, alone) in enumerate(zip(devs, exclusive(devs))):
+        if alone:
+            out.append(float("inf") if own_core_spin and i >= len(replica_devs) else SPIN_US)
+        else:
+            out.append(0.0 if d.cores else SPIN_US)
+    return out
 
 
 def launcher_for(config: DeploymentConfig) -> Launcher | None:

@@ -43,7 +43,7 @@ from lamina.memnode.server import node_config, serve_node
 from lamina.timeline import Timeline
 from lamina.transport import codec
 from lamina.transport.base import REPLY_TIMEOUT_S, START_TIMEOUT_S, ChannelClosed, PeerDied
-from lamina.transport.endpoint import link_kind, listen
+from lamina.transport.endpoint import SPIN_US, link_kind, listen
 from lamina.transport.node_client import RemoteNode
 from lamina.transport.step_codec import parse_tokens, step_message
 from lamina.transport.wire import Message, MsgKind
@@ -98,15 +98,15 @@ def stop_roles(handles: list[RoleHandle], channels: list) -> None:
 
 def start_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: list[Device],
                        capacity: int, *, dtype: torch.dtype, slab_size: int, transport: str,
-                       num_threads: int = 1, spin: list[bool] | None = None,
+                       num_threads: int = 1, spin_us: list[float] | None = None,
                        kernels: KernelConfig | None = None) -> list[RemoteNode]:
     """One memory-node server of ``capacity`` slots per device (each pins itself to its
     device's cores and computes with ``kernels``); the engine's clients of them
     (``client.process`` is the role's handle; the caller stops it)."""
-    spin = spin or [False] * len(devices)
+    spin_us = spin_us or [SPIN_US] * len(devices)
     configs = [asdict(node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
                                   list(d.cores) if d.cores else None, sp, kernels))
-               for d, sp in zip(devices, spin)]
+               for d, sp in zip(devices, spin_us)]
     handles, channels = start_roles(launcher, serve_node, configs, role="memory",
                                     device=devices[0].torch, transport=transport)
     return [RemoteNode(ch, h, f"memory node {i}")
@@ -117,12 +117,14 @@ class RemoteReplicas(WorkerClient):
     """``config.replicas`` compute-replica servers started by ``launcher``, wired to ``nodes``
     (the engine's clients of memory-node servers, owned by the caller) and to each other.
     ``replica`` is the template of every replica's :class:`ReplicaConfig` (model, dtype,
-    threads, peer base); replica ``i`` runs on ``devices[i]`` (pinned to its cores);
+    threads, peer base); replica ``i`` runs on ``devices[i]`` (pinned to its cores) and its
+    receivers poll ``spin_us[i]`` before sleeping;
     :meth:`close` stops the replicas."""
 
     def __init__(self, launcher: Launcher, replica: ReplicaConfig, nodes: list[RemoteNode],
                  config: PipelineConfig, devices: list[Device], *, num_slices: int,
-                 transport: str = "auto", timeline: Timeline | None = None):
+                 transport: str = "auto", timeline: Timeline | None = None,
+                 spin_us: list[float] | None = None):
         self.config = config
         self.micro_batches = config.micro_batches
         self.nodes = list(nodes)  # own pool's nodes, then attached (borrowed) ones
@@ -143,7 +145,8 @@ class RemoteReplicas(WorkerClient):
                                            "attn_parts": config.attn_parts,
                                            "trace": timeline is not None,
                                            "device": d.torch,
-                                           "cores": list(d.cores) if d.cores else None}))
+                                           "cores": list(d.cores) if d.cores else None,
+                                           "spin_us": spin_us[i] if spin_us else SPIN_US}))
                    for i, d in enumerate(devices)]
         self.procs, self.channels = start_roles(launcher, serve_replica, configs, role="compute",
                                                 device=replica.device, transport=transport)

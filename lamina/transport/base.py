@@ -75,6 +75,14 @@ class Channel(ABC):
     def closed(self) -> bool:
         """True once :meth:`close` was called on this end."""
 
+    def native_tx(self) -> tuple[int, int, int, int, int] | None:
+        """The send ring for a native writer (:meth:`RingChannel.native_tx`); None: none."""
+        return None
+
+    def serve_native(self, serve) -> int | None:
+        """Let a native consumer read (:meth:`RingChannel.serve_native`); None: it cannot."""
+        return None
+
     def __enter__(self) -> "Channel":
         return self
 

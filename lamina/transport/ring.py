@@ -70,6 +70,10 @@ class RingChannel(Channel):
         self._forever = spin_us == float("inf")  # a receiver that owns its core: never sleeps
         self._yield_every = YIELD_EVERY if self._forever else 0  # per fast receive call
         self._spin_ns = int(min(self._spin_s, wake_interval) * 1e9)  # per fast receive call
+        self._wake_ns = int(wake_interval * 1e9)
+        # a receiver that may sleep does so inside the fast receive call, on the data doorbell
+        # when it has an fd (shm's FIFO); else (RDMA: polls only) in _idle
+        self._sleep_bell = -1 if self._forever else getattr(rx.data_bell, "fd", -1)
         self._dec = StreamDecoder(limits)
         self._fast = fast
         # this end's counts (HEAD of tx, TAIL of rx) live in the fast path's ring ends, which
@@ -232,9 +236,10 @@ class RingChannel(Channel):
                 if self._closed:
                     raise ChannelClosed("channel is closed")
                 # one call: spin (no GIL) up to the spin time or the next liveness check
-                spin = self._spin_ns if deadline is None else min(
-                    self._spin_ns, max(0, int((deadline - time.monotonic()) * 1e9)))
-                status, got = reader.recv(spin, self._yield_every)
+                left = self._wake_ns if deadline is None else \
+                    max(0, int((deadline - time.monotonic()) * 1e9))
+                status, got = reader.recv(min(self._spin_ns, left), self._yield_every,
+                                          self._sleep_bell, min(self._wake_ns, left))
                 if status == HELD:  # its meta must parse before its bytes go
                     got = self._accept(*got)
                     status = reader.commit()
@@ -246,8 +251,48 @@ class RingChannel(Channel):
                     return got
                 if status == STREAM:  # not whole yet, malformed, too big: the decoder's
                     break
-                self._idle(deadline, timeout)  # EMPTY: the spin is spent
+                if self._sleep_bell >= 0:  # EMPTY after a sleep: check, then sleep again
+                    self._check_rx()
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"no message within {timeout} s")
+                else:
+                    self._idle(deadline, timeout)  # EMPTY: the spin is spent
             return self._stream_in(deadline, timeout)
+
+    # ------------------------------------------------------------------ native consumers
+
+    def native_tx(self) -> tuple[int, int, int, int, int] | None:
+        """``(ctl, data, capacity, head address, data doorbell fd or -1)`` of the send ring, for
+        a native writer that its owner serialises with this end's other sends; None where a
+        write must be published (a mirrored ring) or there is no fast path."""
+        if self._writer is None or self._tx.mirrored:
+            return None
+        return (self._tx.ctl_addr, self._tx.data_addr, self._tx.capacity, self._writer.head_addr,
+                getattr(self._tx.data_bell, "fd", -1))
+
+    def serve_native(self, serve: Callable[..., int]) -> int | None:
+        """Let a native consumer read the receive ring, holding the receive lock: ``serve(ctl,
+        data, capacity, tail address, data doorbell fd, space doorbell fd (-1: none), spin_ns,
+        yield_every, budget_ns)`` takes whole messages off it (waiting as this end's receivers
+        do, for at most one liveness-check interval) and returns its status. None (``serve``
+        not called) where a message is half decoded, a read must be published (mirrored) or
+        there is no fast path: then :meth:`recv`."""
+        with self._rx_lock:
+            if self._closed:
+                raise ChannelClosed("channel is closed")
+            if self._reader is None or self._rx.mirrored or self._dec.in_progress:
+                return None
+            rx = self._rx
+            return serve(rx.ctl_addr, rx.data_addr, rx.capacity, self._reader.tail_addr,
+                         getattr(rx.data_bell, "fd", -1), getattr(rx.space_bell, "fd", -1),
+                         self._spin_ns, self._yield_every, int(self._wake * 1e9))
+
+    def wait_readable(self) -> None:
+        """Return once a byte is there to read (after checking the peer: a receiver that spins
+        for good returns at once), sleeping on the doorbell otherwise; raises as :meth:`recv`."""
+        with self._rx_lock:
+            if self._rx.ctl[HEAD] == self._rx_end.tail:
+                self._idle(None, None)
 
     def _idle(self, deadline: float | None, timeout: float | None) -> None:
         """After a fast receive found nothing: check the peer (a receiver spinning for good)

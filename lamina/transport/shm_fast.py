@@ -78,7 +78,8 @@ CTL_WORDS = ("HEAD", "TAIL", "R_WAIT", "W_WAIT", "R_CLOSED")  # the control word
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 EXTENSION = Extension("lamina_shm_ring", (_CSRC / "shm_ring.cpp",),
-                      headers=(_CSRC / "ring_layout.h",), fallback="the Python ring code")
+                      headers=(_CSRC / "ring_layout.h", _CSRC / "ring_io.h"),
+                      fallback="the Python ring code")
 _checked: weakref.WeakSet[ModuleType] = weakref.WeakSet()  # the modules whose layout matched
 
 

@@ -10,7 +10,7 @@ from lamina.types import NodeRoute
 from lamina.memnode import MemoryNode
 from lamina.memnode.server import NodeServer
 from lamina.transport import codec
-from lamina.transport.endpoint import connect
+from lamina.transport.endpoint import SPIN_US, connect
 from lamina.transport.node_client import RemoteNode
 from lamina.transport.shm import shm_pair
 from lamina.transport.step_codec import parse_step, step_message, step_uniforms
@@ -108,7 +108,8 @@ def test_a_spinning_node_polls_only_its_peer_links(spin):
     """A node alone on its core polls its replicas' (data) links forever; its control link
     and every link of a node that shares its core spin briefly, then sleep."""
     engine_end, node_end = shm_pair(capacity=1 << 16)
-    server = NodeServer(MemoryNode([SPEC], 64, slab_size=4), spin=spin)
+    server = NodeServer(MemoryNode([SPEC], 64, slab_size=4),
+                        spin_us=float("inf") if spin else SPIN_US)
     thread = threading.Thread(target=server.serve, args=(node_end,), daemon=True)
     thread.start()
     client = RemoteNode(engine_end, None, "memory node 0")

@@ -28,7 +28,7 @@
 #include <tuple>
 #include <vector>
 
-#include "ring_layout.h"
+#include "ring_io.h"
 
 namespace py = pybind11;
 
@@ -37,33 +37,6 @@ namespace {
 using namespace lamina_ring;
 
 constexpr int64_t kMaxDescs = 64;  // most tensors of a fast-path message (more: the Python path)
-
-struct Ring {
-  uint64_t* ctl;
-  uint8_t* data;
-  int64_t cap;
-  Ring(int64_t ctl_addr, int64_t data_addr, int64_t capacity)
-      : ctl(reinterpret_cast<uint64_t*>(ctl_addr)),
-        data(reinterpret_cast<uint8_t*>(data_addr)),
-        cap(capacity) {}
-  uint64_t load(int64_t word) const { return __atomic_load_n(ctl + word, __ATOMIC_ACQUIRE); }
-  void store(int64_t word, uint64_t v) const { __atomic_store_n(ctl + word, v, __ATOMIC_RELEASE); }
-  // Copy n bytes between `count` (a stream position) and p, wrapping at the ring's end.
-  void put(uint64_t count, const void* p, int64_t n) const {
-    const int64_t pos = static_cast<int64_t>(count % cap), first = std::min(n, cap - pos);
-    std::memcpy(data + pos, p, first);
-    if (n > first) std::memcpy(data, static_cast<const uint8_t*>(p) + first, n - first);
-  }
-  void get(uint64_t count, void* p, int64_t n) const {
-    const int64_t pos = static_cast<int64_t>(count % cap), first = std::min(n, cap - pos);
-    std::memcpy(p, data + pos, first);
-    if (n > first) std::memcpy(static_cast<uint8_t*>(p) + first, data, n - first);
-  }
-  bool flag_after_fence(int64_t word) const {
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    return __atomic_load_n(ctl + word, __ATOMIC_ACQUIRE) != 0;
-  }
-};
 
 // Messages up to this many bytes are copied with the GIL held: releasing and re-taking it
 // costs more than the copy (a 4 KB message is ~100 ns of memcpy).
@@ -181,33 +154,6 @@ class Writer {
   std::vector<int64_t> kinds_;
 };
 
-// Checks the header and descriptors at `tail` (already copied to hd / descs) as
-// wire.unpack_header / unpack_preamble do; false: leave the message to the Python decoder.
-bool well_formed(const Header& hd, const Desc* descs, const Limits& lim) {
-  if (std::memcmp(hd.magic, kMagic, 4) != 0 || hd.version != kVersion) return false;
-  int64_t off = align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
-  for (uint32_t i = 0; i < hd.num_tensors; ++i) {
-    const Desc& d = descs[i];
-    const DType* dt = by_code(d.code);
-    if (!dt || d.ndim > lim.ndim || d.ndim > kMaxNdim) return false;
-    if (static_cast<int64_t>(d.nbytes) < 0 || static_cast<int64_t>(d.nbytes) > lim.tensor_bytes)
-      return false;
-    int64_t numel = 1;
-    for (int k = 0; k < kMaxNdim; ++k) {
-      if (k >= d.ndim) {
-        if (d.shape[k] != 0) return false;
-        continue;
-      }
-      if (d.shape[k] < 0) return false;
-      if (d.shape[k] && numel > lim.tensor_bytes / d.shape[k]) return false;  // overflow
-      numel *= d.shape[k];
-    }
-    if (numel * dt->size != static_cast<int64_t>(d.nbytes)) return false;
-    off += align(static_cast<int64_t>(d.nbytes));
-  }
-  return off == static_cast<int64_t>(hd.total);
-}
-
 // One end's reader of one direction; holds TAIL (this end's count) like Writer holds HEAD, and
 // builds the Message of a message without meta itself (one call per message).
 class Reader {
@@ -228,16 +174,26 @@ class Reader {
   }
 
   // With nothing there yet, first spins (without the GIL) up to spin_ns for a byte to arrive
-  // (yield_every > 0: sched_yield every that many rounds of 64 polls). Returns (status, payload):
+  // (yield_every > 0: sched_yield every that many rounds of 64 polls), then, with a data
+  // doorbell fd (bell >= 0), sleeps on it up to sleep_ns (without the GIL, as
+  // ring_memory.wait_for sleeps). Returns (status, payload):
   // (kEmpty, None); (kStream, None): not whole yet, malformed, unknown kind, over the limits:
   // the Python decoder's business; (kTaken, Message): a message without meta, committed (TAIL
   // stored past it), kTakenWake: the same and the writer sleeps waiting for space (ring its
   // bell); (kHeld, (kind, step_id, layer, reply_to, meta, tensors)): a message with meta, NOT
   // committed: commit() once its meta parsed, so a refused message stays in the ring.
   // Tensors are fresh (each owns its memory).
-  py::object recv(int64_t spin_ns, int64_t yield_every) {
+  py::object recv(int64_t spin_ns, int64_t yield_every, int bell, int64_t sleep_ns) {
     const uint64_t t = static_cast<uint64_t>(tail);
-    if (!spin_until([&] { return ring_.load(kHead) != t; }, spin_ns, yield_every)) return empty_;
+    if (!spin_until([&] { return ring_.load(kHead) != t; }, spin_ns, yield_every)) {
+      if (bell < 0 || sleep_ns <= 0) return empty_;
+      bool got;
+      {
+        py::gil_scoped_release nogil;
+        got = sleep_until_data(ring_, tail, bell, sleep_ns);
+      }
+      if (!got) return empty_;
+    }
     const int64_t avail = static_cast<int64_t>(ring_.load(kHead) - t);
     if (avail <= 0) return empty_;
     // A message from the fast path appears whole (one HEAD store): a part of one was streamed
@@ -329,18 +285,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "send(kind, step_id, layer, reply_to, meta, tensors) -> SENT | SENT_WAKE (the reader "
            "sleeps) | NO_ROOM | INELIGIBLE | PEER_CLOSED")
       .def("set_limits", &Writer::set_limits)
-      .def_readwrite("head", &Writer::head);
+      .def_readwrite("head", &Writer::head)
+      .def_property_readonly(
+          "head_addr", [](Writer& w) { return reinterpret_cast<int64_t>(&w.head); },
+          "address of head, for a native writer that holds the channel's send lock");
   py::class_<Reader>(m, "Reader")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, const std::vector<int64_t>&,
                     const py::dict&, py::object>(),
            py::arg("ctl"), py::arg("data"), py::arg("cap"), py::arg("tail"), py::arg("limits"),
            py::arg("kinds"), py::arg("message"))
-      .def("recv", &Reader::recv,
-           "recv(spin_ns, yield_every) -> (status, payload): (EMPTY, None) | (STREAM, None) | "
+      .def("recv", &Reader::recv, py::arg("spin_ns"), py::arg("yield_every"),
+           py::arg("bell") = -1, py::arg("sleep_ns") = 0,
+           "recv(spin_ns, yield_every, bell=-1, sleep_ns=0) -> (status, payload): (EMPTY, None) | "
+           "(STREAM, None) | "
            "(TAKEN, Message) | (TAKEN_WAKE, Message): the writer sleeps | (HELD, (kind, "
            "step_id, layer, reply_to, meta, tensors)): commit() pending")
       .def("commit", &Reader::commit, "commit() -> TAKEN | TAKEN_WAKE (the writer sleeps)")
-      .def_readwrite("tail", &Reader::tail);
+      .def_readwrite("tail", &Reader::tail)
+      .def_property_readonly(
+          "tail_addr", [](Reader& r) { return reinterpret_cast<int64_t>(&r.tail); },
+          "address of tail, for a native reader that holds the channel's receive lock");
   m.def("ring_wait", &ring_wait,
         "ring_wait(ctl, word, base, need, timeout_ns, yield_every) -> ctl[word] - base >= need");
   m.def("layout", &lamina_ring::layout, "layout() -> dict: the layout this module assumes");

@@ -1,0 +1,96 @@
+// Reading and writing one direction's byte ring by address (lamina/transport/ring_memory.py),
+// shared by the ring's fast path (shm_ring.cpp) and the memory node's native ATTEND loop
+// (memnode/csrc/attend_plane.cpp).
+//
+// HEAD/TAIL count bytes since creation, position = count % cap. The writer owns HEAD, the
+// reader TAIL. Stores of a count are releases, loads of the other side's count acquires (x86:
+// plain moves, ordered by the compiler barrier of the atomic builtins); the waiting flags are
+// read after a full fence.
+#pragma once
+
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "ring_layout.h"
+
+namespace lamina_ring {
+
+struct Ring {
+  uint64_t* ctl;
+  uint8_t* data;
+  int64_t cap;
+  Ring(int64_t ctl_addr, int64_t data_addr, int64_t capacity)
+      : ctl(reinterpret_cast<uint64_t*>(ctl_addr)),
+        data(reinterpret_cast<uint8_t*>(data_addr)),
+        cap(capacity) {}
+  uint64_t load(int64_t word) const { return __atomic_load_n(ctl + word, __ATOMIC_ACQUIRE); }
+  void store(int64_t word, uint64_t v) const { __atomic_store_n(ctl + word, v, __ATOMIC_RELEASE); }
+  // Copy n bytes between `count` (a stream position) and p, wrapping at the ring's end.
+  void put(uint64_t count, const void* p, int64_t n) const {
+    const int64_t pos = static_cast<int64_t>(count % cap), first = std::min(n, cap - pos);
+    std::memcpy(data + pos, p, first);
+    if (n > first) std::memcpy(data, static_cast<const uint8_t*>(p) + first, n - first);
+  }
+  void get(uint64_t count, void* p, int64_t n) const {
+    const int64_t pos = static_cast<int64_t>(count % cap), first = std::min(n, cap - pos);
+    std::memcpy(p, data + pos, first);
+    if (n > first) std::memcpy(static_cast<uint8_t*>(p) + first, data, n - first);
+  }
+  bool flag_after_fence(int64_t word) const {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return __atomic_load_n(ctl + word, __ATOMIC_ACQUIRE) != 0;
+  }
+};
+
+// Checks the header and descriptors at `tail` (already copied to hd / descs) as
+// wire.unpack_header / unpack_preamble do; false: leave the message to the Python decoder.
+inline bool well_formed(const Header& hd, const Desc* descs, const Limits& lim) {
+  if (std::memcmp(hd.magic, kMagic, 4) != 0 || hd.version != kVersion) return false;
+  int64_t off = align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
+  for (uint32_t i = 0; i < hd.num_tensors; ++i) {
+    const Desc& d = descs[i];
+    const DType* dt = by_code(d.code);
+    if (!dt || d.ndim > lim.ndim || d.ndim > kMaxNdim) return false;
+    if (static_cast<int64_t>(d.nbytes) < 0 || static_cast<int64_t>(d.nbytes) > lim.tensor_bytes)
+      return false;
+    int64_t numel = 1;
+    for (int k = 0; k < kMaxNdim; ++k) {
+      if (k >= d.ndim) {
+        if (d.shape[k] != 0) return false;
+        continue;
+      }
+      if (d.shape[k] < 0) return false;
+      if (d.shape[k] && numel > lim.tensor_bytes / d.shape[k]) return false;  // overflow
+      numel *= d.shape[k];
+    }
+    if (numel * dt->size != static_cast<int64_t>(d.nbytes)) return false;
+    off += align(static_cast<int64_t>(d.nbytes));
+  }
+  return off == static_cast<int64_t>(hd.total);
+}
+
+// ring_memory.wait_for's sleep, for a reader at `tail`: raise the reader's waiting flag, look
+// again, sleep on the data doorbell (a FIFO's fd) until it rings or timeout_ns passed; whether
+// data arrived (false after a ring without data too: the caller checks why, as wait_for does).
+// The caller has released the GIL.
+inline bool sleep_until_data(const Ring& rx, int64_t tail, int bell, int64_t timeout_ns) {
+  const uint64_t t = static_cast<uint64_t>(tail);
+  rx.store(kReaderWaits, 1);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  if (rx.load(kHead) == t && timeout_ns > 0) {
+    pollfd p{bell, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(std::min<int64_t>(timeout_ns / 1000000 + 1, 1000))) > 0) {
+      char buf[64];
+      while (read(bell, buf, sizeof(buf)) > 0) {  // drain: the FIFO is non-blocking
+      }
+    }
+  }
+  rx.store(kReaderWaits, 0);
+  return rx.load(kHead) != t;
+}
+
+}  // namespace lamina_ring

@@ -1,0 +1,416 @@
+// The memory node's data plane in native code (lamina/memnode/native.py): ATTEND messages taken
+// off a peer's receive ring, their K/V appended to the pool, paged attention run, and the RESULT
+// written into the ring of the replica named by reply_to, all without the GIL and without a
+// Python object per message.
+//
+// Python (memnode/node.py MemoryNode, memnode/server.py NodeServer) stays the reference and the
+// control plane: it prepares steps and registers them here (add_step), and handles every message
+// this loop does not take. serve() hands a message back untouched (HANDOFF) unless it is an
+// ATTEND that the Python path would answer with a RESULT computed by the same C++ kernel: a
+// registered step, a known layer not attended yet, works that continue the layer, shapes that
+// match, dtypes the C++ kernel takes, a registered reply peer with room for the RESULT. So every
+// error reply, and every reply the kernel dispatcher would compute otherwise, comes from Python,
+// and a reply from here is the one Python would send (the span's times aside).
+//
+// Shared state, guarded by the plane's mutex (lock()/unlock(), which Python holds while its
+// control plane touches the node): the step table, the peers, and each step's progress array,
+// int64 [L + 1] (progress[i]: the next work of pool layer i, -1 once attended; progress[L]: the
+// layers left), which Python's MemoryNode.attend reads and moves too. A step whose last layer
+// is attended here is listed by finished() (Python then ends it: MemoryNode.sync); its tensors
+// are released there, with the GIL.
+#include <torch/extension.h>
+
+#include <immintrin.h>
+#include <sched.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "ring_io.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using namespace lamina_ring;
+
+using AttentionFn = std::tuple<at::Tensor, at::Tensor> (*)(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, double);
+
+// serve() results
+constexpr int64_t kIdle = 0;     // nothing arrived within the spin (or the time budget passed)
+constexpr int64_t kHandoff = 1;  // the next message is Python's; it is still in the ring
+
+struct LayerSpec {  // an AttentionSpec, by pool layer
+  int64_t layer, heads, kv_heads, dim;
+  double scale;
+  int64_t window;  // 0: none
+  double softcap;  // 0: none
+};
+
+struct KeyIndex {  // memnode/plan.py KernelIndex
+  at::Tensor indptr, indices, start_pos;
+};
+
+struct Step {  // memnode/plan.py StepState, what ATTEND needs of it
+  int64_t works;
+  at::Tensor q_indptr, a_indptr, q_positions, append_slots, progress;
+  std::unordered_map<int64_t, KeyIndex> kv;  // window (0: none) -> key indices
+};
+
+struct Peer {  // the ring this node writes a replica's RESULTs into
+  Ring ring;
+  int64_t* head;  // the channel's Writer.head
+  int bell;       // its data doorbell's fd (-1: none)
+};
+
+inline int64_t now_ns() {  // time.perf_counter_ns's clock
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+inline void ring_bell(int fd) {
+  if (fd < 0) return;
+  const char one = 1;
+  ssize_t n = write(fd, &one, 1);  // EAGAIN: a wake-up is pending anyway
+  (void)n;
+}
+
+// Parses meta that is exactly json.dumps({"works": [a, b]}, separators=(",", ":")).
+bool parse_works(const std::string& meta, int64_t* a, int64_t* b) {
+  long long x = 0, y = 0;
+  int used = 0;
+  if (std::sscanf(meta.c_str(), "{\"works\":[%lld,%lld]}%n", &x, &y, &used) != 2) return false;
+  if (used != static_cast<int>(meta.size())) return false;
+  char canon[64];  // only the canonical spelling (no spaces, no leading zeros or '+')
+  std::snprintf(canon, sizeof(canon), "{\"works\":[%lld,%lld]}", x, y);
+  if (meta != canon) return false;
+  *a = x, *b = y;
+  return true;
+}
+
+const DType* float_dtype(int code) {
+  const DType* d = by_code(code);
+  if (!d) return nullptr;
+  return (d->type == at::kFloat || d->type == at::kBFloat16 || d->type == at::kHalf) ? d : nullptr;
+}
+
+class AttendPlane {
+ public:
+  // k_cache / v_cache: the pool's [L, S, Hkv, D] CPU tensors; specs: per pool layer (layer,
+  // heads, kv_heads, dim, scale, window or 0, softcap or 0); kernel: the C++ kernel's capsule
+  // (lamina.kernels.cpp_ext paged_attention_fn); limits: the receive side's WireLimits tuple;
+  // attend / result: the wire codes of ATTEND and RESULT.
+  AttendPlane(at::Tensor k_cache, at::Tensor v_cache,
+              const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, double, int64_t,
+                                           double>>& specs,
+              py::capsule kernel, const std::vector<int64_t>& limits, int64_t attend,
+              int64_t result)
+      : k_(std::move(k_cache)), v_(std::move(v_cache)), lim_(limits), attend_(attend),
+        result_(result) {
+    TORCH_CHECK(std::string(kernel.name()) == "lamina.paged_attention", "not the kernel capsule");
+    kernel_ = reinterpret_cast<AttentionFn>(kernel.get_pointer());
+    TORCH_CHECK(k_.device().is_cpu() && k_.dim() == 4 && k_.sizes() == v_.sizes(),
+                "a CPU pool [L, S, Hkv, D]");
+    for (const auto& s : specs) {
+      const auto [layer, heads, kv_heads, dim, scale, window, softcap] = s;
+      layer_index_[layer] = static_cast<int64_t>(specs_.size());
+      specs_.push_back({layer, heads, kv_heads, dim, scale, window, softcap});
+    }
+    TORCH_CHECK(static_cast<int64_t>(specs_.size()) == k_.size(0), "a spec per pool layer");
+  }
+
+  // -- the control plane's calls (Python holds lock()) -------------------------------------
+  void add_step(int64_t id, int64_t works, at::Tensor q_indptr, at::Tensor a_indptr,
+                at::Tensor q_positions, at::Tensor append_slots, at::Tensor progress,
+                const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>>& kv) {
+    TORCH_CHECK(progress.dtype() == at::kLong && progress.is_contiguous() &&
+                    progress.numel() == static_cast<int64_t>(specs_.size()) + 1,
+                "progress: int64 [L + 1]");
+    Step s{works, q_indptr, a_indptr, q_positions, append_slots, progress, {}};
+    for (const auto& [window, indptr, indices, start] : kv) s.kv[window] = {indptr, indices, start};
+    steps_[id] = std::move(s);
+  }
+
+  void drop_step(int64_t id) { steps_.erase(id); }
+
+  // Ids of the steps whose last layer was attended here since the last call (their state is
+  // released now, with the GIL held).
+  std::vector<int64_t> finished() {
+    std::vector<int64_t> out;
+    out.swap(finished_);
+    retired_.clear();
+    return out;
+  }
+
+  void add_peer(int64_t id, int64_t ctl, int64_t data, int64_t cap, int64_t head_addr, int bell) {
+    peers_.insert_or_assign(id, Peer{Ring(ctl, data, cap), reinterpret_cast<int64_t*>(head_addr),
+                                     bell});
+  }
+
+  void remove_peer(int64_t id) { peers_.erase(id); }
+
+  void lock() { mu_.lock(); }  // bound without the GIL
+  void unlock() { mu_.unlock(); }
+
+  int64_t attend_ns() const { return attend_ns_; }
+  int64_t served() const { return served_; }
+
+  // -- the data plane ----------------------------------------------------------------------
+  // Serves the receive ring (ctl, data, cap; tail_addr: the channel's Reader.tail; data_bell /
+  // space_bell: its doorbells' fds or -1) without the GIL, ATTEND after ATTEND, until a message
+  // is Python's (kHandoff: still in the ring) or budget_ns passed (kIdle). Between messages it
+  // polls spin_ns (yield_every > 0: sched_yield every that many rounds of 64 polls), then, with
+  // a data doorbell and yield_every == 0, sleeps on it as RingChannel's receivers do.
+  int64_t serve(int64_t ctl, int64_t data, int64_t cap, int64_t tail_addr, int data_bell,
+                int space_bell, int64_t spin_ns, int64_t yield_every, int64_t budget_ns) {
+    const Ring rx(ctl, data, cap);
+    int64_t* tail = reinterpret_cast<int64_t*>(tail_addr);
+    py::gil_scoped_release nogil;
+    const int64_t end = now_ns() + budget_ns;
+    for (;;) {
+      while (!arrived(rx, *tail, spin_ns, yield_every)) {
+        if (data_bell < 0 || yield_every > 0 || now_ns() >= end) return kIdle;
+        sleep_until_data(rx, *tail, data_bell, end - now_ns());
+      }
+      {
+        std::lock_guard<std::mutex> guard(mu_);
+        if (!attend_one(rx, tail, space_bell)) return kHandoff;
+      }
+      if (now_ns() >= end) return kIdle;
+    }
+  }
+
+ private:
+  static bool arrived(const Ring& rx, int64_t tail, int64_t spin_ns, int64_t yield_every) {
+    const uint64_t t = static_cast<uint64_t>(tail);
+    if (rx.load(kHead) != t) return true;
+    if (spin_ns <= 0) return false;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+    for (int64_t polls = 1;; ++polls) {
+      for (int i = 0; i < 64; ++i) {
+        if (rx.load(kHead) != t) return true;
+        _mm_pause();
+      }
+      if (yield_every > 0 && polls % yield_every == 0) sched_yield();
+      if (std::chrono::steady_clock::now() >= end) return rx.load(kHead) != t;
+    }
+  }
+
+  // A tensor of the message at stream count `at`: the ring's bytes in place, or a copy when
+  // they wrap around the ring's end.
+  static at::Tensor view(const Ring& rx, uint64_t at, const Desc& d) {
+    const auto opts = at::TensorOptions().dtype(by_code(d.code)->type);
+    const c10::IntArrayRef shape(d.shape, d.ndim);
+    const int64_t pos = static_cast<int64_t>(at % rx.cap), n = static_cast<int64_t>(d.nbytes);
+    if (pos + n <= rx.cap) return at::from_blob(rx.data + pos, shape, opts);
+    at::Tensor x = at::empty(shape, opts);
+    rx.get(at, x.data_ptr(), n);
+    return x;
+  }
+
+  // The ATTEND at the tail, served (true), or left in the ring for Python (false).
+  bool attend_one(const Ring& rx, int64_t* tail, int space_bell) {
+    const uint64_t t = static_cast<uint64_t>(*tail);
+    const int64_t avail = static_cast<int64_t>(rx.load(kHead) - t);
+    if (avail < kHeaderBytes) return false;
+    Header hd;
+    rx.get(t, &hd, kHeaderBytes);
+    const int64_t total = static_cast<int64_t>(hd.total);
+    if (std::memcmp(hd.magic, kMagic, 4) != 0 || hd.version != kVersion || hd.kind != attend_ ||
+        hd.num_tensors != 3 || hd.num_tensors > lim_.tensors || hd.meta_len > lim_.meta_bytes ||
+        total > lim_.message_bytes || total > rx.cap || total > avail)
+      return false;
+    Desc descs[3];
+    rx.get(t + kHeaderBytes, descs, 3 * kDescBytes);
+    if (!well_formed(hd, descs, lim_)) return false;
+    // the step, the layer, the works: what MemoryNode.attend checks, else Python raises
+    auto it = steps_.find(hd.step_id);
+    auto li_it = layer_index_.find(hd.layer);
+    if (it == steps_.end() || li_it == layer_index_.end()) return false;
+    Step& step = it->second;
+    const int64_t li = li_it->second, L = static_cast<int64_t>(specs_.size());
+    int64_t* progress = step.progress.data_ptr<int64_t>();
+    const int64_t first = progress[li], R = step.works;
+    if (first < 0) return false;
+    int64_t a = first, b = R;
+    if (hd.meta_len) {
+      std::string meta(hd.meta_len, '\0');
+      rx.get(t + kHeaderBytes + 3 * kDescBytes, meta.data(), hd.meta_len);
+      if (!parse_works(meta, &a, &b)) return false;
+    }
+    if (a != first || !((a < b && b <= R) || (a == b && b == R && R == 0))) return false;
+    auto peer = peers_.find(hd.reply_to);
+    if (peer == peers_.end()) return false;
+    const LayerSpec& sp = specs_[li];
+    const int64_t* qi = step.q_indptr.data_ptr<int64_t>();
+    const int64_t* ai = step.a_indptr.data_ptr<int64_t>();
+    const int64_t qa = qi[a], qb = qi[b], aa = ai[a], ab = ai[b];
+    const Desc &dq = descs[0], &dk = descs[1], &dv = descs[2];
+    auto is = [](const Desc& d, int64_t n, int64_t h, int64_t dim) {
+      return d.ndim == 3 && d.shape[0] == n && d.shape[1] == h && d.shape[2] == dim;
+    };
+    if (!is(dq, qb - qa, sp.heads, sp.dim) || !is(dk, ab - aa, sp.kv_heads, sp.dim) ||
+        !is(dv, ab - aa, sp.kv_heads, sp.dim) || !float_dtype(dq.code) ||
+        !float_dtype(dk.code) || !float_dtype(dv.code))
+      return false;
+    // the RESULT must fit in the reply ring now (else Python streams it)
+    const DType* qt = float_dtype(dq.code);
+    const int64_t o_bytes = (qb - qa) * sp.heads * sp.dim * qt->size;
+    const int64_t lse_bytes = (qb - qa) * sp.heads * 4;
+    const int64_t meta_max = 64;  // {"span":[t0,t1]} with 19-digit times
+    const int64_t reply_max = align(kHeaderBytes + 2 * kDescBytes + meta_max) + align(o_bytes) +
+                              align(lse_bytes);
+    Peer& out = peer->second;
+    if (out.ring.load(kReaderClosed) || reply_max > lim_.message_bytes ||
+        reply_max > out.ring.cap - static_cast<int64_t>(static_cast<uint64_t>(*out.head) -
+                                                        out.ring.load(kTail)))
+      return false;
+
+    const int64_t t0 = now_ns();
+    uint64_t at = t + align(kHeaderBytes + 3 * kDescBytes + hd.meta_len);
+    at::Tensor q = view(rx, at, dq);
+    at += align(static_cast<int64_t>(dq.nbytes));
+    at::Tensor k = view(rx, at, dk);
+    at += align(static_cast<int64_t>(dk.nbytes));
+    at::Tensor v = view(rx, at, dv);
+    const bool whole = a == 0 && b == R;
+    const at::Tensor slots = whole ? step.append_slots : step.append_slots.slice(0, aa, ab);
+    const int64_t window = sp.window > 0 ? sp.window : 0;
+    auto key = step.kv.find(window);
+    if (key == step.kv.end()) return false;
+    const KeyIndex& ki = key->second;
+    at::Tensor o, lse;
+    try {  // MemoryNode.attend: pool.store_kv, then paged_attention on the view of [a, b)
+      k_[li].index_copy_(0, slots, k.to(k_.scalar_type()));
+      v_[li].index_copy_(0, slots, v.to(v_.scalar_type()));
+      at::Tensor q_indptr = step.q_indptr, kv_indptr = ki.indptr, kv_indices = ki.indices,
+                 q_pos = step.q_positions, kv_start = ki.start_pos;
+      if (!whole) {
+        const int64_t* kp = ki.indptr.data_ptr<int64_t>();
+        q_indptr = step.q_indptr.slice(0, a, b + 1) - qa;
+        kv_indptr = ki.indptr.slice(0, a, b + 1) - kp[a];
+        kv_indices = ki.indices.slice(0, kp[a], kp[b]);
+        q_pos = step.q_positions.slice(0, qa, qb);
+        kv_start = ki.start_pos.slice(0, a, b);
+      }
+      std::tie(o, lse) = kernel_(q, k_[li], v_[li], q_indptr, kv_indptr, kv_indices, q_pos,
+                                 kv_start, sp.scale, window, sp.softcap);
+    } catch (const std::exception&) {
+      return false;  // Python attends again (the K/V written is harmless) and reports it
+    }
+    if (b < R) {
+      progress[li] = b;
+    } else {
+      progress[li] = -1;
+      if (--progress[L] == 0) {
+        finished_.push_back(hd.step_id);
+        retired_.push_back(std::move(step));  // released by finished(), with the GIL
+        steps_.erase(it);
+      }
+    }
+    const int64_t t1 = now_ns();
+    attend_ns_ += t1 - t0;
+    ++served_;
+    write_result(out, hd, o, lse, t0, t1);
+    // the ATTEND's bytes are free once its RESULT is out (q/k/v were read in place)
+    *tail = static_cast<int64_t>(t + total);
+    rx.store(kTail, static_cast<uint64_t>(*tail));
+    if (rx.flag_after_fence(kWriterWaits)) ring_bell(space_bell);
+    return true;
+  }
+
+  // RESULT: what codec.to_message(AttendResult) and Writer.send put in the ring.
+  void write_result(Peer& out, const Header& req, const at::Tensor& o, const at::Tensor& lse,
+                    int64_t t0, int64_t t1) {
+    char meta[80];
+    const int n_meta = std::snprintf(meta, sizeof(meta), "{\"span\":[%lld,%lld]}",
+                                     static_cast<long long>(t0), static_cast<long long>(t1));
+    const at::Tensor* ts[2] = {&o, &lse};
+    Desc descs[2];
+    int64_t total = align(kHeaderBytes + 2 * kDescBytes + n_meta);
+    for (int i = 0; i < 2; ++i) {
+      const at::Tensor& x = *ts[i];
+      Desc& d = descs[i];
+      std::memset(&d, 0, sizeof(d));
+      const DType* dt = by_type(x.scalar_type());
+      d.code = static_cast<uint8_t>(dt->code);
+      d.ndim = static_cast<uint8_t>(x.dim());
+      d.nbytes = static_cast<uint64_t>(x.numel() * dt->size);
+      for (int64_t k = 0; k < x.dim(); ++k) d.shape[k] = x.size(k);
+      total += align(static_cast<int64_t>(d.nbytes));
+    }
+    Header hd;
+    std::memcpy(hd.magic, kMagic, 4);
+    hd.version = kVersion;
+    hd.kind = static_cast<uint16_t>(result_);
+    hd.step_id = req.step_id, hd.layer = req.layer, hd.reply_to = 0;
+    hd.num_tensors = 2;
+    hd.meta_len = static_cast<uint32_t>(n_meta);
+    hd.total = static_cast<uint64_t>(total);
+    const uint64_t h = static_cast<uint64_t>(*out.head);
+    uint64_t at = h;
+    out.ring.put(at, &hd, kHeaderBytes), at += kHeaderBytes;
+    out.ring.put(at, descs, 2 * kDescBytes), at += 2 * kDescBytes;
+    out.ring.put(at, meta, n_meta);
+    at = h + align(kHeaderBytes + 2 * kDescBytes + n_meta);
+    for (int i = 0; i < 2; ++i) {
+      const at::Tensor x = ts[i]->contiguous();
+      if (descs[i].nbytes) out.ring.put(at, x.data_ptr(), static_cast<int64_t>(descs[i].nbytes));
+      at += align(static_cast<int64_t>(descs[i].nbytes));
+    }
+    *out.head = static_cast<int64_t>(h + total);
+    out.ring.store(kHead, h + total);
+    if (out.ring.flag_after_fence(kReaderWaits)) ring_bell(out.bell);
+  }
+
+  at::Tensor k_, v_;
+  Limits lim_;
+  int64_t attend_, result_;
+  AttentionFn kernel_ = nullptr;
+  std::vector<LayerSpec> specs_;
+  std::unordered_map<int64_t, int64_t> layer_index_;  // spec.layer -> pool layer
+  std::unordered_map<int64_t, Step> steps_;
+  std::unordered_map<int64_t, Peer> peers_;
+  std::vector<int64_t> finished_;
+  std::vector<Step> retired_;
+  std::mutex mu_;
+  int64_t attend_ns_ = 0, served_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lamina memory node's native ATTEND path (see lamina/memnode/native.py)";
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<AttendPlane>(m, "AttendPlane")
+      .def(py::init<at::Tensor, at::Tensor,
+                    const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, double,
+                                                 int64_t, double>>&,
+                    py::capsule, const std::vector<int64_t>&, int64_t, int64_t>())
+      .def("add_step", &AttendPlane::add_step)
+      .def("drop_step", &AttendPlane::drop_step)
+      .def("finished", &AttendPlane::finished)
+      .def("add_peer", &AttendPlane::add_peer)
+      .def("remove_peer", &AttendPlane::remove_peer)
+      .def("lock", &AttendPlane::lock, nogil)
+      .def("unlock", &AttendPlane::unlock)
+      .def("serve", &AttendPlane::serve,
+           "serve(ctl, data, cap, tail_addr, data_bell, space_bell, spin_ns, yield_every, "
+           "budget_ns) -> IDLE | HANDOFF")
+      .def_property_readonly("attend_ns", &AttendPlane::attend_ns)
+      .def_property_readonly("served", &AttendPlane::served);
+  m.attr("IDLE") = kIdle;
+  m.attr("HANDOFF") = kHandoff;
+}

@@ -1,0 +1,151 @@
+"""The memory node's native data plane (``memnode/csrc/attend_plane.cpp``): ATTENDs served in C++
+on the thread of the peer channel they arrive on, without the GIL.
+
+A :class:`NativePlane` belongs to one :class:`~lamina.memnode.node.MemoryNode` (``node.plane``)
+and sits between it and the :class:`~lamina.memnode.server.NodeServer`:
+
+* the node registers each prepared step (:meth:`NativePlane.add_step`) and drops it when Python
+  ends it (:meth:`~NativePlane.drop_step`); :meth:`MemoryNode.sync` ends the steps the plane
+  finished (:meth:`~NativePlane.finished`);
+* the server registers each peer's reply ring (:meth:`~NativePlane.add_peer`), and its peer
+  threads call :meth:`~NativePlane.serve` on their receive ring before taking a message the
+  Python way: the plane answers every ATTEND it can (the same RESULT the Python path computes,
+  with the same kernel) and hands back the rest, untouched, in order;
+* :attr:`~NativePlane.lock` is the node's lock: Python holds it while it handles a message,
+  the plane while it serves one.
+
+Used where it builds and applies: a CPU pool of a dtype the C++ kernel takes, the C++ attention
+kernel chosen (``attention`` ``auto`` or ``cpp``), the C++ ring fast path, and the ``plane``
+kernel choice ``auto`` (``native``: that or an error; ``python``: never). Rings whose writes must
+be published (RDMA) are served the Python way (:meth:`RingChannel.native_rx` says so).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from lamina.build import Extension
+from lamina.config import kernels_in_use
+from lamina.kernels import cpp_ext
+from lamina.kernels.dispatch import backend_for
+from lamina.transport import shm_fast
+from lamina.transport.wire import DEFAULT_LIMITS, MsgKind
+
+if TYPE_CHECKING:
+    from lamina.memnode.node import MemoryNode
+    from lamina.memnode.plan import StepState
+
+__all__ = ["EXTENSION", "NativePlane", "IDLE", "HANDOFF", "plane_for", "unavailable"]
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_RING = Path(shm_fast.__file__).resolve().parent / "csrc"
+EXTENSION = Extension("lamina_attend_plane", (_CSRC / "attend_plane.cpp",),
+                      headers=(_RING / "ring_layout.h", _RING / "ring_io.h"),
+                      fallback="the Python ATTEND path")
+IDLE, HANDOFF = 0, 1  # NativePlane.serve's results (checked against the module's at load)
+
+
+class NativeLock:
+    """The plane's mutex as a context manager (waits without the GIL)."""
+
+    def __init__(self, plane) -> None:
+        self._plane = plane
+
+    def __enter__(self) -> "NativeLock":
+        self._plane.lock()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._plane.unlock()
+
+
+class NativePlane:
+    """The C++ plane of ``node``'s pool (see the module docstring)."""
+
+    def __init__(self, node: "MemoryNode", module: ModuleType, kernels: ModuleType) -> None:
+        if (module.IDLE, module.HANDOFF) != (IDLE, HANDOFF):
+            raise RuntimeError(f"{EXTENSION.name}: serve() statuses differ from native.py's")
+        specs = [(s.layer, s.num_heads, s.num_kv_heads, s.head_dim, float(s.scale),
+                  int(s.window or 0), float(s.softcap or 0.0)) for s in node.specs]
+        pool = node.pool
+        self._plane = module.AttendPlane(pool.k_cache, pool.v_cache, specs,
+                                         kernels.paged_attention_fn, list(DEFAULT_LIMITS.as_tuple()),
+                                         int(MsgKind.ATTEND), int(MsgKind.RESULT))
+        self.lock = NativeLock(self._plane)
+
+    # -- steps (the node's calls, under the lock) -------------------------------------------------
+    def add_step(self, step: "StepState") -> None:
+        kv = [(int(w or 0), torch.from_numpy(i.kv_indptr), i.kv_indices, i.kv_start_pos)
+              for w, i in step.kv.items()]
+        self._plane.add_step(step.step_id, len(step.works), torch.from_numpy(step.q_indptr),
+                             torch.from_numpy(step.a_indptr), step.q_positions, step.append_slots,
+                             torch.from_numpy(step.progress), kv)
+
+    def drop_step(self, step_id: int) -> None:
+        self._plane.drop_step(step_id)
+
+    def finished(self) -> list[int]:
+        """Steps whose last layer the plane attended since the last call."""
+        return self._plane.finished()
+
+    @property
+    def attend_ns(self) -> int:
+        """Time spent attending natively (nanoseconds, cumulative)."""
+        return self._plane.attend_ns
+
+    @property
+    def served(self) -> int:
+        """ATTENDs served natively so far."""
+        return self._plane.served
+
+    # -- peers and serving (the server's calls) -------------------------------------------------
+    def add_peer(self, peer: int, tx: tuple[int, int, int, int, int]) -> None:
+        """Write RESULTs for ``peer`` into the ring ``tx`` (:meth:`RingChannel.native_tx`);
+        under the lock."""
+        self._plane.add_peer(peer, *tx)
+
+    def remove_peer(self, peer: int) -> None:
+        """Stop writing to ``peer`` (before its channel closes); under the lock."""
+        self._plane.remove_peer(peer)
+
+    def serve(self, ctl: int, data: int, cap: int, tail_addr: int, data_bell: int,
+              space_bell: int, spin_ns: int, yield_every: int, budget_ns: int) -> int:
+        """Serve ATTENDs off one receive ring (:meth:`RingChannel.serve_native` passes it),
+        sleeping on its doorbell between them: :data:`HANDOFF` when the next message is
+        Python's, :data:`IDLE` when ``budget_ns`` passed."""
+        return self._plane.serve(ctl, data, cap, tail_addr, data_bell, space_bell, spin_ns,
+                                 yield_every, budget_ns)
+
+
+def unavailable(node: "MemoryNode") -> str | None:
+    """Why ``node`` cannot have a native plane here (None: it can)."""
+    pool = node.pool
+    if pool.device.type != "cpu":
+        return f"the pool is on {pool.device}"
+    if pool.dtype not in cpp_ext.POOL_DTYPES:
+        return f"the C++ kernel does not take {pool.dtype} pools"
+    if backend_for(pool.device) != "cpp":
+        return f"attention runs on the {backend_for(pool.device)} kernels, not the C++ one"
+    if shm_fast.load() is None:
+        return "the ring has no C++ fast path"
+    if EXTENSION.load() is None:
+        return f"it does not build ({EXTENSION.build_error()})"
+    return None
+
+
+def plane_for(node: "MemoryNode") -> NativePlane | None:
+    """``node``'s native plane per the ``plane`` kernel choice, or None (the Python path);
+    ``native`` raises naming why it cannot be."""
+    choice = kernels_in_use().plane
+    if choice == "python":
+        return None
+    why = unavailable(node)
+    if why is not None:
+        if choice == "native":
+            raise RuntimeError(f"the memory node's native plane is unavailable: {why}")
+        return None
+    return NativePlane(node, EXTENSION.load(), cpp_ext.load())
+

@@ -1,0 +1,218 @@
+"""The memory node's native ATTEND path against the Python path (the reference): for random
+steps, shards, mini-batches, dtypes and malformed ATTENDs, the native plane's replies are the
+Python path's (kind, ids, tensors byte for byte, meta but the span's times), node state stays
+equal, and whatever the plane does not take stays in the ring for Python, untouched."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lamina.memnode.native import HANDOFF, IDLE, plane_for, unavailable
+from lamina.memnode.node import MemoryNode
+from lamina.memnode.server import handle
+from lamina.transport import codec
+from lamina.transport.shm import shm_pair
+from lamina.transport.wire import Message, MsgKind, WireError
+from lamina.types import AttendMsg, AttentionSpec, PrepareMsg, ShardWork
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+SPECS = [AttentionSpec(layer=10 + i, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                       scale=DIM ** -0.5, window=w) for i, w in enumerate((None, 3, None))]
+PEER = 7
+
+
+def _node(dtype: torch.dtype) -> MemoryNode:
+    return MemoryNode(SPECS, 256, slab_size=8, dtype=dtype)
+
+
+@pytest.fixture
+def native_available():
+    why = unavailable(_node(torch.float32))
+    if why is not None:
+        pytest.skip(f"no native plane here: {why}")
+
+
+class Twin:
+    """Two equal nodes: ``py`` answers with :func:`handle`, ``nat`` through its plane over a
+    shm link (``client`` sends, the node's end is ``node_end``; replies come back on it)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.py, self.nat = _node(dtype), _node(dtype)
+        self.nat.plane = plane_for(self.nat)
+        assert self.nat.plane is not None
+        # the plane serves until it idles one wake interval: keep that short here
+        self.client, self.node_end = shm_pair(capacity=1 << 20, spin_us=0.0, wake_interval=0.002)
+        self.nat.plane.add_peer(PEER, self.node_end.native_tx())
+
+    def close(self) -> None:
+        self.nat.plane.remove_peer(PEER)
+        self.client.close()
+        self.node_end.close()
+
+    def both(self, msg: Message) -> tuple[Message, Message, bool]:
+        """(Python's reply, the native side's reply, whether the plane served it)."""
+        want = handle(self.py, msg)
+        self.client.send(msg)
+        status = self.node_end.serve_native(self.nat.plane.serve)  # it takes the lock itself
+        served = status == IDLE
+        if not served:
+            assert status == HANDOFF
+            got_msg = self.node_end.recv(5)  # still whole in the ring: Python takes it
+            assert _same(got_msg, msg)
+            with self.nat.plane.lock:
+                reply = handle(self.nat, got_msg)
+            return want, reply, False
+        return want, self.client.recv(5), served
+
+
+def _same(a: Message, b: Message) -> bool:
+    if (a.kind, a.step_id, a.layer, a.reply_to, a.meta) != (b.kind, b.step_id, b.layer,
+                                                            b.reply_to, b.meta):
+        return False
+    return len(a.tensors) == len(b.tensors) and all(
+        x.dtype == y.dtype and x.shape == y.shape and
+        x.contiguous().view(torch.uint8).equal(y.contiguous().view(torch.uint8))
+        for x, y in zip(a.tensors, b.tensors))
+
+
+def _no_span(msg: Message) -> Message:
+    meta = dict(msg.meta)
+    span = meta.pop("span", None)
+    if span is not None:
+        assert isinstance(span, list) and len(span) == 2 and span[0] <= span[1]
+    return Message(msg.kind, msg.step_id, msg.layer, msg.reply_to, meta, msg.tensors)
+
+
+def _state(node: MemoryNode) -> tuple:
+    node.sync()
+    s = node.stats()
+    return (s.used_slots, s.num_requests, sorted(s.shards.items()), sorted(node.in_flight),
+            node.pool.k_cache.view(torch.uint8).clone(), node.pool.v_cache.view(torch.uint8).clone())
+
+
+def _equal_state(a: MemoryNode, b: MemoryNode) -> None:
+    sa, sb = _state(a), _state(b)
+    assert sa[:4] == sb[:4]
+    assert torch.equal(sa[4], sb[4]) and torch.equal(sa[5], sb[5])
+
+
+steps = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(1, 6)),
+                 min_size=1, max_size=4, unique_by=lambda t: t[0])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=steps, pool=st.sampled_from([torch.float32, torch.bfloat16]),
+       qdt=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       parts=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_native_replies_are_the_python_paths(native_available, first, pool, qdt, parts, seed):
+    """Two steps (a prefill, then one more token each) of random requests, layers in a random
+    order, each split into random mini-batches: every reply and the node state match."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    twin = Twin(pool)
+    try:
+        served = 0
+        ends = {}
+        for step_id, works in enumerate((
+                [ShardWork(r, start, n, start, n) for r, start, n in first],
+                [ShardWork(r, start + n, 1, start + n, 1) for r, start, n in first])):
+            prep = codec.to_message(PrepareMsg(step_id, works))
+            a, b, _ = twin.both(prep)
+            assert _same(a, b)
+            R = len(works)
+            for li in rng.permutation(len(SPECS)):
+                cuts = sorted(set(rng.integers(1, R, size=parts - 1).tolist())) if R > 1 else []
+                for lo, hi in zip([0] + cuts, cuts + [R]):
+                    nq = sum(w.num_q for w in works[lo:hi])
+                    na = sum(w.num_append for w in works[lo:hi])
+                    msg = codec.to_message(AttendMsg(
+                        step_id, SPECS[li].layer, torch.randn(nq, HEADS, DIM, generator=g).to(qdt),
+                        torch.randn(na, KV_HEADS, DIM, generator=g),
+                        torch.randn(na, KV_HEADS, DIM, generator=g), reply_to=PEER,
+                        works=None if (lo, hi) == (0, R) else (lo, hi)))
+                    want, got, by_plane = twin.both(msg)
+                    assert want.kind == MsgKind.RESULT, codec.from_message(want)
+                    assert _same(_no_span(want), _no_span(got))
+                    served += by_plane
+            _equal_state(twin.py, twin.nat)
+            ends[step_id] = True
+        assert served > 0
+        assert twin.nat.plane.served == served
+    finally:
+        twin.close()
+
+
+def test_what_the_plane_does_not_take_stays_for_python(native_available):
+    """Unknown steps and layers, a layer attended twice, works that do not continue the layer,
+    wrong shapes, an unknown reply peer, other kinds, a corrupt header: the plane leaves each in
+    the ring (HANDOFF) and Python answers exactly what the Python path answers."""
+    twin = Twin(torch.float32)
+    try:
+        works = [ShardWork(1, 0, 3, 0, 3), ShardWork(2, 0, 2, 0, 2)]
+        assert _same(*twin.both(codec.to_message(PrepareMsg(0, works)))[:2])
+        q, kv = torch.randn(5, HEADS, DIM), torch.randn(5, KV_HEADS, DIM)
+        bad = [
+            AttendMsg(9, 10, q, kv, kv, reply_to=PEER),  # unknown step
+            AttendMsg(0, 99, q, kv, kv, reply_to=PEER),  # unknown layer
+            AttendMsg(0, 10, q[:4], kv, kv, reply_to=PEER),  # shape
+            AttendMsg(0, 10, q[3:], kv[3:], kv[3:], reply_to=PEER, works=(1, 2)),  # not next
+        ]
+        for m in bad:
+            want, got, by_plane = twin.both(codec.to_message(m))
+            assert not by_plane and want.kind == MsgKind.ERROR
+            assert _same(want, got)
+        want, got, by_plane = twin.both(codec.to_message(AttendMsg(0, 10, q, kv, kv, reply_to=PEER)))
+        assert by_plane and _same(_no_span(want), _no_span(got))
+        again = codec.to_message(AttendMsg(0, 10, q, kv, kv, reply_to=PEER))  # attended twice
+        want, got, by_plane = twin.both(again)
+        assert not by_plane and want.kind == MsgKind.ERROR and _same(want, got)
+        # Python's to compute: a q dtype the C++ kernel does not take; a peer the plane does
+        # not write to (the server answers that one with an error of its own)
+        for m in (AttendMsg(0, 11, q.double(), kv, kv, reply_to=PEER),
+                  AttendMsg(0, 12, q, kv, kv, reply_to=PEER + 1)):
+            want, got, by_plane = twin.both(codec.to_message(m))
+            assert not by_plane and want.kind == MsgKind.RESULT
+            assert _same(_no_span(want), _no_span(got))
+        for m in (codec.ping({"x": 1}), codec.free_request([5])):  # (STATS: _equal_state)
+            want, got, by_plane = twin.both(m)
+            assert not by_plane and _same(want, got)
+        _equal_state(twin.py, twin.nat)
+        twin.client.send_raw([b"XXXX" + bytes(60)])  # a corrupt stream: Python's to refuse
+        assert twin.node_end.serve_native(twin.nat.plane.serve) == HANDOFF
+        with pytest.raises(WireError):
+            twin.node_end.recv(5)
+    finally:
+        twin.close()
+
+
+def test_python_finishes_what_the_plane_finished_and_stats_count_it(native_available):
+    """A step whose every layer the plane attended ends at the next sync: its request is free
+    for the next PREPARE, and STATS count the plane's attention time."""
+    twin = Twin(torch.float32)
+    try:
+        twin.both(codec.to_message(PrepareMsg(0, [ShardWork(1, 0, 2, 0, 2)])))
+        for spec in SPECS:
+            _, _, by_plane = twin.both(codec.to_message(AttendMsg(
+                0, spec.layer, torch.randn(2, HEADS, DIM), torch.randn(2, KV_HEADS, DIM),
+                torch.randn(2, KV_HEADS, DIM), reply_to=PEER)))
+            assert by_plane
+        assert twin.nat.in_flight == [0]  # the plane finished it; Python has not synced yet
+        want, got, _ = twin.both(codec.to_message(PrepareMsg(1, [ShardWork(1, 2, 1, 2, 1)])))
+        assert want.kind == got.kind == MsgKind.OK
+        assert twin.nat.in_flight == [1]
+        assert twin.nat.stats().attend_us == twin.nat.plane.attend_ns // 1000
+    finally:
+        twin.close()
+
+
+def test_the_plane_setting_selects_the_python_path(kernels):
+    from lamina.config import KernelConfig
+
+    kernels(KernelConfig(plane="python"))
+    assert plane_for(_node(torch.float32)) is None
+    kernels(KernelConfig(attention="torch", plane="native"))
+    with pytest.raises(RuntimeError, match="native plane is unavailable: attention runs"):
+        plane_for(_node(torch.float32))
