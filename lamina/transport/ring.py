@@ -291,6 +291,8 @@ class RingChannel(Channel):
         """Return once a byte is there to read (after checking the peer: a receiver that spins
         for good returns at once), sleeping on the doorbell otherwise; raises as :meth:`recv`."""
         with self._rx_lock:
+            if self._closed:
+                raise ChannelClosed("channel is closed")
             if self._rx.ctl[HEAD] == self._rx_end.tail:
                 self._idle(None, None)
 

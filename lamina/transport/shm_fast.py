@@ -74,7 +74,7 @@ HELD = 9  # a message's fields; its bytes stay in the ring until commit()
 STATUSES = {"SENT": SENT, "SENT_WAKE": SENT_WAKE, "NO_ROOM": NO_ROOM, "INELIGIBLE": INELIGIBLE,
             "PEER_CLOSED": PEER_CLOSED, "EMPTY": EMPTY, "STREAM": STREAM, "TAKEN": TAKEN,
             "TAKEN_WAKE": TAKEN_WAKE, "HELD": HELD}  # the extension's attributes of these names
-CTL_WORDS = ("HEAD", "TAIL", "R_WAIT", "W_WAIT", "R_CLOSED")  # the control words C++ touches
+CTL_WORDS = ("HEAD", "TAIL", "R_WAIT", "W_WAIT", "W_CLOSED", "R_CLOSED")  # the control words C++ touches
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 EXTENSION = Extension("lamina_shm_ring", (_CSRC / "shm_ring.cpp",),

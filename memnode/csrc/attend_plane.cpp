@@ -177,22 +177,33 @@ class AttendPlane {
                 int space_bell, int64_t spin_ns, int64_t yield_every, int64_t budget_ns) {
     const Ring rx(ctl, data, cap);
     int64_t* tail = reinterpret_cast<int64_t*>(tail_addr);
-    py::gil_scoped_release nogil;
-    const int64_t end = now_ns() + budget_ns;
-    for (;;) {
-      while (!arrived(rx, *tail, spin_ns, yield_every)) {
-        if (data_bell < 0 || yield_every > 0 || now_ns() >= end) return kIdle;
-        sleep_until_data(rx, *tail, data_bell, end - now_ns());
+    return without_gil([&]() -> int64_t {
+      const int64_t end = now_ns() + budget_ns;
+      for (;;) {
+        while (!arrived(rx, *tail, spin_ns, yield_every)) {
+          if (data_bell < 0 || yield_every > 0 || now_ns() >= end || closed(rx)) return kIdle;
+          sleep_until_data(rx, *tail, data_bell, end - now_ns());
+        }
+        {
+          std::lock_guard<std::mutex> guard(mu_);
+          bool done = false;
+          try {
+            done = attend_one(rx, tail, space_bell);
+          } catch (...) {  // nothing taken: Python takes the message and reports what it finds
+          }
+          if (!done) return kHandoff;
+        }
+        if (now_ns() >= end || closed(rx)) return kIdle;
       }
-      {
-        std::lock_guard<std::mutex> guard(mu_);
-        if (!attend_one(rx, tail, space_bell)) return kHandoff;
-      }
-      if (now_ns() >= end) return kIdle;
-    }
+    });
   }
 
  private:
+  // this end (reader) or the peer (writer) closed the ring: back to Python, which raises
+  static bool closed(const Ring& rx) {
+    return rx.load(kReaderClosed) != 0 || rx.load(kWriterClosed) != 0;
+  }
+
   static bool arrived(const Ring& rx, int64_t tail, int64_t spin_ns, int64_t yield_every) {
     const uint64_t t = static_cast<uint64_t>(tail);
     if (rx.load(kHead) != t) return true;

@@ -8,6 +8,7 @@
 // read after a full fence.
 #pragma once
 
+#include <Python.h>
 #include <poll.h>
 #include <unistd.h>
 
@@ -71,6 +72,18 @@ inline bool well_formed(const Header& hd, const Desc* descs, const Limits& lim) 
     off += align(static_cast<int64_t>(d.nbytes));
   }
   return off == static_cast<int64_t>(hd.total);
+}
+
+// Runs fn() (which must not throw) without the GIL. Not an RAII guard: a daemon thread that
+// wakes after the interpreter finalized is ended by PyEval_RestoreThread's forced unwind, which
+// must not cross a noexcept destructor (std::terminate, "terminate called without an active
+// exception" on the role's stderr at exit).
+template <typename Fn>
+auto without_gil(Fn fn) {
+  PyThreadState* state = PyEval_SaveThread();
+  auto out = fn();
+  PyEval_RestoreThread(state);
+  return out;
 }
 
 // ring_memory.wait_for's sleep, for a reader at `tail`: raise the reader's waiting flag, look

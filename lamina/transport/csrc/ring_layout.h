@@ -21,7 +21,8 @@ namespace lamina_ring {
 namespace py = pybind11;
 
 // Control words (u64 indices into the control block; ring_memory.HEAD, ...).
-constexpr int64_t kHead = 0, kTail = 8, kReaderWaits = 16, kWriterWaits = 24, kReaderClosed = 40;
+constexpr int64_t kHead = 0, kTail = 8, kReaderWaits = 16, kWriterWaits = 24, kWriterClosed = 32,
+                  kReaderClosed = 40;
 constexpr int64_t kHeaderBytes = 48, kDescBytes = 80, kAlign = 64, kMaxNdim = 8;
 constexpr char kMagic[4] = {'L', 'M', 'N', 'A'};
 constexpr uint16_t kVersion = 1;
@@ -136,7 +137,7 @@ inline py::dict layout() {
   for (const DType& d : kDTypes) dtypes[py::int_(d.code)] = py::make_tuple(d.type, d.size);
   out["dtypes"] = dtypes;
   ctl["HEAD"] = kHead, ctl["TAIL"] = kTail, ctl["R_WAIT"] = kReaderWaits;
-  ctl["W_WAIT"] = kWriterWaits, ctl["R_CLOSED"] = kReaderClosed;
+  ctl["W_WAIT"] = kWriterWaits, ctl["W_CLOSED"] = kWriterClosed, ctl["R_CLOSED"] = kReaderClosed;
   out["ctl_words"] = ctl;
   for (const char* name : kLimitFields) limits.append(name);
   out["limits"] = py::tuple(limits);

@@ -48,16 +48,17 @@ template <typename Ready>
 bool spin_until(Ready ready, int64_t timeout_ns, int64_t yield_every) {
   if (ready()) return true;
   if (timeout_ns <= 0) return false;
-  py::gil_scoped_release nogil;
-  const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
-  for (int64_t polls = 1;; ++polls) {
-    for (int i = 0; i < 64; ++i) {
-      if (ready()) return true;
-      _mm_pause();
+  return without_gil([&] {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+    for (int64_t polls = 1;; ++polls) {
+      for (int i = 0; i < 64; ++i) {
+        if (ready()) return true;
+        _mm_pause();
+      }
+      if (yield_every > 0 && polls % yield_every == 0) sched_yield();
+      if (std::chrono::steady_clock::now() >= end) return ready();
     }
-    if (yield_every > 0 && polls % yield_every == 0) sched_yield();
-    if (std::chrono::steady_clock::now() >= end) return ready();
-  }
+  });
 }
 
 // One end's writer of one direction: the ring, the limits and HEAD (this end's count, which it
@@ -187,12 +188,8 @@ class Reader {
     const uint64_t t = static_cast<uint64_t>(tail);
     if (!spin_until([&] { return ring_.load(kHead) != t; }, spin_ns, yield_every)) {
       if (bell < 0 || sleep_ns <= 0) return empty_;
-      bool got;
-      {
-        py::gil_scoped_release nogil;
-        got = sleep_until_data(ring_, tail, bell, sleep_ns);
-      }
-      if (!got) return empty_;
+      if (!without_gil([&] { return sleep_until_data(ring_, tail, bell, sleep_ns); }))
+        return empty_;
     }
     const int64_t avail = static_cast<int64_t>(ring_.load(kHead) - t);
     if (avail <= 0) return empty_;
