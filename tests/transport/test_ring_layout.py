@@ -94,7 +94,7 @@ _DESC = fake_module().layout()["descriptor"]
     ({"dtypes": {c: v for c, v in _LAY["dtypes"].items() if c != 3}},
      ["dtype code 3: C++ missing"]),
     ({"ctl_words": {**_LAY["ctl_words"], "TAIL": 9}}, ["control word TAIL: C++ 9"]),
-    ({"ctl_words": {**_LAY["ctl_words"], "W_CLOSED": 32}}, ["control word W_CLOSED"]),
+    ({"ctl_words": {**_LAY["ctl_words"], "W_CLOSED": 33}}, ["control word W_CLOSED"]),
     ({"header": (48, [*_HEADER[1][:3], ("step_id", 8, 8, "u"), *_HEADER[1][4:]])},
      ["header field 3 (step_id)"]),
     ({"header": (48, _HEADER[1][:-1])}, ["header: C++ has 8 fields"]),
