@@ -34,9 +34,10 @@ from lamina.kernels import plan_cache
 from lamina.kernels.triton_merge import launch_merge
 from lamina.types import AttentionSpec
 
-DEFAULT_KV_CHUNK = 256  # tokens of one request's KV per program before splitting
+DEFAULT_KV_CHUNK = 256  # tokens per split-KV program where the device's size is unknown (CPU)
+MIN_KV_CHUNK = 128  # never split finer: each part costs a float32 partial write and a merge read
+PROGRAMS_PER_SM = 4  # split until about this many programs per streaming multiprocessor
 PARTIAL_BUDGET_BYTES = 256 << 20  # cap on float32 split-KV scratch; chunks grow to respect it
-NO_SPLIT_PROGRAMS = 4096  # with this many (query block, kv head) programs, never split KV
 
 
 @triton.jit
@@ -182,11 +183,42 @@ def _plan(qo: np.ndarray, kv: np.ndarray, T: int, block_q: int, chunk: int
     return work, tok_wbase, tok_row0, tok_nch, int(n_ch.max()) if R else 0
 
 
+_SMS: dict[str, int] = {}
+
+
+def _sm_count(dev: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (cached), None elsewhere."""
+    if dev.type != "cuda":
+        return None
+    key = str(dev)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[key]
+
+
+def _kv_chunk(kv_chunk: int | None, max_kv: int, base_programs: int, block_n: int,
+              dev: torch.device) -> int:
+    """Tokens per split-KV program. Given: that. On a GPU: split just enough that the grid has
+    about :data:`PROGRAMS_PER_SM` programs per SM (a few requests' long contexts spread over
+    the device; a large batch is not split at all), never below :data:`MIN_KV_CHUNK`."""
+    if kv_chunk:
+        return max(kv_chunk, 1)
+    sms = _sm_count(dev)
+    if sms is None:
+        return DEFAULT_KV_CHUNK
+    splits = max(1, -(-PROGRAMS_PER_SM * sms // max(base_programs, 1)))
+    chunk = max(MIN_KV_CHUNK, -(-max_kv // splits))
+    return -(-chunk // block_n) * block_n
+
+
 @dataclass
 class _LaunchPlan:
-    """What a call derives from the indptrs alone: block sizes, the KV chunk, the work list
-    and per-token merge indices in ``meta`` (int32 on the device: work[3W], tok_wbase[T],
-    tok_row0*GP[T], tok_nchunks[T], qo_indptr[R+1], kv_indptr[R+1])."""
+    """What a call derives from the indptrs alone, made once per step and reused by its layers:
+    block sizes, the KV chunk, and on the device (int32): the work list ``work[3, W]``, the
+    per-token merge indices (``tok_wbase``, ``tok_row0 * GP``, ``tok_nchunks``, each ``[T]``)
+    and the two indptrs. ``cover``: every output row is written by the kernels (no zero fill).
+    ``o_part``/``lse_part``: the split-KV scratch, owned by the plan and reused by every call
+    that uses it (calls of one thread run in stream order, so they never overlap)."""
 
     R: int
     W: int
@@ -196,7 +228,18 @@ class _LaunchPlan:
     block_q: int
     block_m: int
     block_n: int
-    meta: torch.Tensor
+    cover: bool = False
+    work: torch.Tensor | None = None
+    tok: tuple = ()
+    qo: torch.Tensor | None = None
+    kv: torch.Tensor | None = None
+    o_part: torch.Tensor | None = None
+    lse_part: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.work, self.o_part, self.lse_part]
+        return sum(t.untyped_storage().nbytes() for t in ts if t is not None)
 
 
 def _launch_plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, T: int, Hkv: int, G: int,
@@ -209,21 +252,18 @@ def _launch_plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, T: int, Hkv: 
     block_d = max(16, triton.next_power_of_2(D))
     block_n = block_n or (64 if block_d <= 128 else 32)
     if T == 0 or R < 1 or int(kv[-1]) == 0:
-        return _LaunchPlan(max(R, 0), 0, 0, 0, GP, 1, 16, block_n, torch.empty(0))
+        return _LaunchPlan(max(R, 0), 0, 0, 0, GP, 1, 16, block_n)
     if int(kv[-1]) >= 2 ** 31:
         raise ValueError(f"kv_indptr ends at {int(kv[-1])}: more than 2**31 - 1 keys in one call")
     if int(qo[-1]) > T:
         raise ValueError(f"qo_indptr ends at {int(qo[-1])} but q has {T} rows")
-    max_q = int(np.diff(qo).max())
-    block_q = max(1, min(triton.next_power_of_2(max_q), 64 // GP))
+    q_len, kv_len = np.diff(qo), np.diff(kv)
+    block_q = max(1, min(triton.next_power_of_2(int(q_len.max())), 64 // GP))
     block_m = max(16, block_q * GP)
     block_q = block_m // GP
 
-    max_kv = int(np.diff(kv).max())
-    chunk = max(kv_chunk or DEFAULT_KV_CHUNK, 1)
-    base_programs = int((-(-np.diff(qo) // block_q)).sum()) * Hkv
-    if base_programs >= NO_SPLIT_PROGRAMS:
-        chunk = max(chunk, max_kv)
+    base_programs = int((-(-q_len // block_q)).sum()) * Hkv
+    chunk = _kv_chunk(kv_chunk, int(kv_len.max()), base_programs, block_n, dev)
     while True:
         work, tok_wbase, tok_row0, tok_nch, max_ch = _plan(qo, kv, T, block_q, chunk)
         scratch = work.shape[1] * Hkv * block_m * (D + 1) * 4
@@ -236,7 +276,20 @@ def _launch_plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, T: int, Hkv: 
         [work.reshape(-1), tok_wbase, tok_row0 * GP, tok_nch, qo, kv]).astype(np.int32))
     if dev.type == "cuda":
         meta = meta.pin_memory().to(dev, non_blocking=True)
-    return _LaunchPlan(R, work.shape[1], max_ch, chunk, GP, block_q, block_m, block_n, meta)
+    W = work.shape[1]
+    split = max_ch > 1
+    # the split path's merge writes every row; otherwise rows of requests with no keys (and
+    # rows past qo_indptr's end) are written by nobody and start as zeros / -inf
+    cover = split or int(q_len[kv_len > 0].sum()) == T
+    lp = _LaunchPlan(R, W, max_ch, chunk, GP, block_q, block_m, block_n, cover,
+                     work=meta[:3 * W], tok=tuple(meta[3 * W + i * T: 3 * W + (i + 1) * T]
+                                                 for i in range(3)),
+                     qo=meta[3 * W + 3 * T: 3 * W + 3 * T + R + 1],
+                     kv=meta[3 * W + 3 * T + R + 1:])
+    if split:
+        lp.o_part = torch.empty((W * Hkv * block_m, D), dtype=torch.float32, device=dev)
+        lp.lse_part = torch.empty((W * Hkv * block_m,), dtype=torch.float32, device=dev)
+    return lp
 
 
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -247,11 +300,13 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention in Triton; see the module docstring for the contract.
 
-    ``kv_chunk`` (tokens per split-KV program, default 256, may grow to bound scratch memory)
-    and ``block_n`` (keys per inner step, a power of two >= 16) are tuning knobs; tests use small
-    values under the interpreter to exercise splitting. Planning reads ``qo_indptr`` and
-    ``kv_indptr`` on the host: they may be host tensors (then a CUDA call never waits for the
-    device), else they are copied back (a wait). Not CUDA-graph capturable.
+    ``kv_chunk`` (tokens per split-KV program; by default chosen per plan from the device's
+    size, and grown to bound scratch memory) and ``block_n`` (keys per inner step, a power of
+    two >= 16) are tuning knobs; tests use small values under the interpreter to exercise
+    splitting. Planning reads ``qo_indptr`` and ``kv_indptr`` on the host: they may be host
+    tensors (then a CUDA call never waits for the device, and the plan is reused by later
+    calls with equal indptrs: a step's other layers), else they are copied back (a wait).
+    Not CUDA-graph capturable.
     """
     T, H, D = q.shape
     S, Hkv, Dk = k_pool.shape
@@ -266,47 +321,45 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise ValueError(f"paged_attention: unsupported dtype {q.dtype}")
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    dev = q.device
     host = qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu"
     G = spec.group_size
-    key = ("triton", T, Hkv, G, D, kv_chunk, block_n, str(q.device))
+    key = ("triton", T, Hkv, G, D, kv_chunk, block_n, str(dev))
     lp = plan_cache.lookup(key, (qo_indptr, kv_indptr)) if host else None
     if lp is None:
-        lp = _launch_plan(qo_indptr, kv_indptr, T, Hkv, G, D, kv_chunk, block_n, q.device)
+        lp = _launch_plan(qo_indptr, kv_indptr, T, Hkv, G, D, kv_chunk, block_n, dev)
         if host:  # a step's layers share their indptrs: plan once per step
-            plan_cache.store(key, (qo_indptr, kv_indptr), lp, lp.meta.numel() * 4)
+            plan_cache.store(key, (qo_indptr, kv_indptr), lp, lp.nbytes)
+    if lp.cover:
+        o = torch.empty((T, H, D), dtype=q.dtype, device=dev)
+        lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+    else:
+        o = torch.zeros((T, H, D), dtype=q.dtype, device=dev)
+        lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=dev)
     if lp.W == 0:
         return o, lse
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
     v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
-    W, split, dev, meta = lp.W, lp.max_ch > 1, q.device, lp.meta
-    work_d, tok = meta[:3 * W], meta[3 * W: 3 * W + 3 * T]
-    qo_d, kv_d = meta[3 * W + 3 * T: 3 * W + 3 * T + lp.R + 1], meta[3 * W + 3 * T + lp.R + 1:]
-    kv_indices, q_positions, kv_start_pos = (t.to(dev).contiguous()
-                                             for t in (kv_indices, q_positions, kv_start_pos))
-
-    GP, block_m, block_d = lp.GP, lp.block_m, max(16, triton.next_power_of_2(D))
-    if split:
-        o_part = torch.empty((W * Hkv * block_m, D), dtype=torch.float32, device=dev)
-        lse_part = torch.empty((W * Hkv * block_m,), dtype=torch.float32, device=dev)
-    else:
-        o_part, lse_part = o, lse
-    _paged_attn_kernel[(W, Hkv)](
-        q, k_pool, v_pool, kv_indices, q_positions, work_d, qo_d, kv_d, kv_start_pos,
-        o_part, lse_part,
-        W, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+    kv_indices, q_positions, kv_start_pos = (t if t.device == dev else t.to(dev) for t in
+                                             (kv_indices, q_positions, kv_start_pos))
+    split = lp.o_part is not None
+    block_d = max(16, triton.next_power_of_2(D))
+    _paged_attn_kernel[(lp.W, Hkv)](
+        q, k_pool, v_pool, kv_indices.contiguous(), q_positions.contiguous(), lp.work, lp.qo,
+        lp.kv, kv_start_pos.contiguous(), lp.o_part if split else o,
+        lp.lse_part if split else lse,
+        lp.W, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1),
         float(spec.scale), float(spec.softcap or 1.0), int(spec.window or 0), lp.chunk,
-        H=H, NUM_KV_HEADS=Hkv, G=G, GP=GP, BLOCK_Q=lp.block_q, BLOCK_M=block_m, BLOCK_N=lp.block_n,
-        D=D, BLOCK_D=block_d, HAS_WINDOW=spec.window is not None,
+        H=H, NUM_KV_HEADS=Hkv, G=G, GP=lp.GP, BLOCK_Q=lp.block_q, BLOCK_M=lp.block_m,
+        BLOCK_N=lp.block_n, D=D, BLOCK_D=block_d, HAS_WINDOW=spec.window is not None,
         HAS_SOFTCAP=bool(spec.softcap), SPLIT=split,
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=8 if block_d >= 128 else 4)  # 4 warps spill at D=128 (ptxas, sm_90)
     if split:
-        launch_merge(o_part, lse_part, o, lse, num_rows=T * H, num_parts=lp.max_ch,
-                     part_stride=Hkv * block_m, head_dim=D,
-                     paged=(tok[:T], tok[T:2 * T], tok[2 * T:], H, G, Hkv, block_m))
+        launch_merge(lp.o_part, lp.lse_part, o, lse, num_rows=T * H, num_parts=lp.max_ch,
+                     part_stride=Hkv * lp.block_m, head_dim=D,
+                     paged=(*lp.tok, H, G, Hkv, lp.block_m))
     return o, lse

@@ -26,8 +26,9 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_o_ptr, out_lse_ptr,
                   num_rows, num_parts, part_stride,
                   H: tl.constexpr, G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                   BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_R: tl.constexpr, PAGED: tl.constexpr):
-    """Merge the parts of ``BLOCK_R`` output rows (row = token * H + head).
+                  BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PAGED: tl.constexpr):
+    """Merge the parts of ``BLOCK_R`` output rows (row = token * H + head), ``BLOCK_P`` parts
+    per step (one ``[BLOCK_R, BLOCK_P, BLOCK_D]`` tile: the loads of a step are independent).
 
     Dense (``PAGED=False``): part ``c`` of row ``i`` is row ``i + c * part_stride`` of
     ``o_part[*, D]`` / ``lse_part[*]``, for ``c < num_parts``.
@@ -51,21 +52,23 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_o_ptr, out_lse_ptr,
         base = rows64
         nparts = tl.zeros([BLOCK_R], dtype=tl.int32) + num_parts
 
+    p = tl.arange(0, BLOCK_P)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for c in range(0, num_parts):
-        ok = row_ok & (c < nparts)
-        idx = base + c * part_stride
+    for c0 in range(0, num_parts, BLOCK_P):
+        c = c0 + p
+        ok = row_ok[:, None] & (c[None, :] < nparts[:, None])
+        idx = base[:, None] + c[None, :].to(tl.int64) * part_stride
         lse_c = tl.load(lse_part_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
-        o_c = tl.load(o_part_ptr + idx[:, None] * D + d[None, :],
-                      mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse_c)
+        o_c = tl.load(o_part_ptr + idx[:, :, None] * D + d[None, None, :],
+                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(lse_c, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)  # exp(-inf) = 0 for an empty running state
-        beta = tl.exp(lse_c - m_safe)  # 0 for an empty part
-        s = s * alpha + beta
-        acc = acc * alpha[:, None] + beta[:, None] * o_c
+        beta = tl.exp(lse_c - m_safe[:, None])  # 0 for an empty part
+        s = s * alpha + tl.sum(beta, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(beta[:, :, None] * o_c, axis=1)
         m = m_new
     seen = s > 0.0
     m_fin = tl.where(m == float("-inf"), 0.0, m)
@@ -76,9 +79,19 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_o_ptr, out_lse_ptr,
              o.to(out_o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _block_r(block_d: int) -> int:
-    """Rows per program: about 4K elements per tile, at least 1 and at most 64."""
-    return max(1, min(64, 4096 // block_d))
+TILE_ELEMS = 8192  # float32 elements of one step's o tile (BLOCK_R x BLOCK_P x BLOCK_D)
+ROWS_PER_PROGRAM_FROM = 1024  # fewer rows than twice this: one row per program (parallelism)
+
+
+def merge_blocks(num_rows: int, num_parts: int, head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_D, BLOCK_R, BLOCK_P)``: up to 16 parts a step; one row per program until there
+    are thousands of rows (a decode step's few rows then spread over the GPU), more beyond."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_p = min(16, triton.next_power_of_2(max(num_parts, 1)))
+    cap = max(1, TILE_ELEMS // (block_p * block_d))
+    want = max(1, num_rows // ROWS_PER_PROGRAM_FROM)
+    block_r = min(cap, 1 << (want.bit_length() - 1))
+    return block_d, block_r, block_p
 
 
 def launch_merge(o_part: torch.Tensor, lse_part: torch.Tensor, out_o: torch.Tensor,
@@ -86,11 +99,11 @@ def launch_merge(o_part: torch.Tensor, lse_part: torch.Tensor, out_o: torch.Tens
                  head_dim: int, paged: tuple | None = None) -> None:
     """Launch :func:`_merge_kernel`. ``out_o`` must be contiguous ``[num_rows, head_dim]`` rows,
     ``out_lse`` contiguous float32 ``[num_rows]``. ``paged`` is
-    ``(tok_wbase, tok_row0, tok_nparts, H, G, num_kv_heads, BLOCK_M)`` for the split-KV pass."""
+    ``(tok_wbase, tok_row0, tok_nparts, H, G, num_kv_heads, BLOCK_M)`` for the split-KV pass;
+    ``num_parts`` is then the most parts any row has."""
     if num_rows == 0:
         return
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_r = _block_r(block_d)
+    block_d, block_r, block_p = merge_blocks(num_rows, num_parts, head_dim)
     if paged is None:
         dummy = out_lse  # never read when PAGED is False
         args = (dummy, dummy, dummy, 1, 1, 1, 1)
@@ -100,8 +113,8 @@ def launch_merge(o_part: torch.Tensor, lse_part: torch.Tensor, out_o: torch.Tens
     _merge_kernel[grid](o_part, lse_part, out_o, out_lse, args[0], args[1], args[2],
                         num_rows, num_parts, part_stride,
                         H=args[3], G=args[4], NUM_KV_HEADS=args[5], BLOCK_M=args[6],
-                        D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, PAGED=paged is not None,
-                        num_warps=4)
+                        D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_P=block_p,
+                        PAGED=paged is not None, num_warps=4)
 
 
 def merge_states_triton(os: torch.Tensor | list[torch.Tensor],

@@ -49,3 +49,28 @@ def test_triton_cuda_merge_states():
     assert torch.isneginf(lse[0]).all() and torch.all(o[0] == 0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(o.float(), ref_o.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("batch,ctx", [(1, 20000), (3, 9000), (300, 700)])
+def test_triton_cuda_default_split(batch, ctx):
+    """The plan's own split (sized to the device): one long context in many parts (the merge
+    loops over several part blocks), a few, and a batch too large to split."""
+    from lamina.kernels import paged_attention_ref
+    from lamina.kernels.triton_attention import paged_attention_triton
+    case = random_case(batch, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                       num_requests=(batch, batch), max_ctx=ctx, decode_only=True).to("cuda")
+    ref_o, ref_lse = paged_attention_ref(*case.args())
+    o, lse = paged_attention_triton(*case.args())
+    assert_matches(o, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+def test_triton_cuda_merge_many_rows():
+    """Thousands of rows: several rows per merge program."""
+    from lamina.kernels import merge_states, merge_states_ref
+    os_ = torch.randn(3, 300, 32, 128, device="cuda", dtype=torch.bfloat16)
+    lses = torch.randn(3, 300, 32, device="cuda") * 10
+    lses[0, :7] = float("-inf")
+    o, lse = merge_states(os_, lses)
+    ref_o, ref_lse = merge_states_ref(os_, lses)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o.float(), ref_o.float(), atol=1e-2, rtol=1e-2)

@@ -129,3 +129,16 @@ def test_triton_plan_is_reused_across_layers_and_never_stale():
     o3, lse3 = paged_attention_triton(*other.args(), kv_chunk=16, block_n=16)
     assert_matches(o3, lse3, *paged_attention_ref(*other.args()), torch.float32)
     assert len(plan_cache._entries()) == 2
+
+
+@pytest.mark.parametrize("S,T,H", [(20, 3, 2), (3, 512, 4)])
+def test_triton_merge_part_blocks_and_row_blocks(S, T, H):
+    """20 parts: one full block of 16 and a masked tail; 2048 rows: two rows per program."""
+    gen = torch.Generator().manual_seed(S)
+    os_ = torch.randn(S, T, H, 16, generator=gen)
+    lses = torch.randn(S, T, H, generator=gen) * 5
+    lses[torch.rand(S, T, H, generator=gen) < 0.3] = float("-inf")
+    exp_o, exp_lse = _merge_oracle(os_, lses)
+    o, lse = merge_states_triton(os_, lses)
+    torch.testing.assert_close(lse.double(), exp_lse, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(o.double(), exp_o, atol=1e-5, rtol=1e-5)
