@@ -17,9 +17,11 @@ Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no 
   message while its attention runs (``layer`` = the slice it feeds; meta: value names and
   the number of ATTEND parts per node to wait for).
 
-Every inbound channel has a reader thread that puts messages into one inbox; the main thread
-takes them in order, files each under its step, and runs every slice whose context and attention
-results have arrived (oldest micro-batch first). A failing node or peer fails every micro-batch
+The main thread receives on the node links itself where they are shm rings (one native wait
+over those rings and the inbox, :class:`~lamina.transport.waitset.WaitSet`: a RESULT wakes the
+thread that merges it); every other inbound channel has a reader thread that puts messages into
+the inbox. The main thread files each message under its step and runs every slice whose context
+and attention results have arrived (oldest micro-batch first). A failing node or peer fails every micro-batch
 in flight with an ERROR to the engine; the replica keeps serving (the engine decides the rest).
 With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays here has
 its next slice pre-launched once its ATTENDs are sent, behind a device flag its results move.
@@ -41,13 +43,16 @@ from lamina.config import KernelConfig, PipelineConfig, use_kernels
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.transport import codec
+from lamina.transport import shm_fast
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
 from lamina.transport.endpoint import SPIN_US, Listening, connect, listen
+from lamina.transport.waitset import TIMED_OUT, WaitSet
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, PrepareMsg
 
 codec.register_error(NodeFailure)
+WAKE_S = 0.05  # the main thread checks the node links it waits on at least this often
 
 
 @dataclass
@@ -71,6 +76,7 @@ class ReplicaConfig:
     max_step_tokens: int = 0  # ... tokens per micro-batch: polling's staging, made up front
     kernels: dict | None = None  # the KernelConfig's fields (None: the process's default)
     spin_us: float = SPIN_US  # how long receivers poll before sleeping (0: cores shared)
+    idle_spin_us: float = SPIN_US  # how long the main thread polls its node rings when idle
 
 
 def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
@@ -118,6 +124,10 @@ class ReplicaServer:
         self.last_step = -1  # newest STEP seen (the engine sends them in step id order)
         self.spans: list[list] = []  # timeline spans not yet sent to the engine
         self.failure: Exception | None = None
+        fast = shm_fast.load()
+        self.waits = WaitSet(fast, config.idle_spin_us) if fast is not None else None
+        self.direct: list[tuple[int, Any]] = []  # (node index, channel) received on here
+        self.rings: list[tuple[int, int, int]] = []  # their wait handles
         polling = make_polling(config.device_polling, replica.device, config.micro_batches,
                                config.max_step_tokens)
         pipeline = PipelineConfig(config.schedule, config.micro_batches, config.replicas,
@@ -138,14 +148,57 @@ class ReplicaServer:
                     ch = ch.channel()
                 while True:
                     self.inbox.put((source, ch.recv()))
+                    if self.waits is not None:
+                        self.waits.post()
             except BaseException as e:  # noqa: BLE001 - reported to the main loop
                 self.inbox.put((source, e))
+                if self.waits is not None:
+                    self.waits.post()
         threading.Thread(target=loop, daemon=True, name=f"reader-{source}").start()
+
+    def _receive(self, node: int, ch) -> None:
+        """Receive node ``node``'s messages on the main thread where its channel allows,
+        else with a reader thread."""
+        handle = ch.wait_handle() if self.waits is not None else None
+        if handle is None:
+            self._reader(("node", node), ch)
+        else:
+            self.direct.append((node, ch))
+            self.rings.append(handle)
+
+    def _take(self) -> tuple[Any, Any]:
+        """The next ``(source, message or the error that ended its channel)``: the inbox's, or
+        one from a node ring this thread receives on, waiting on both at once."""
+        while True:
+            seen = self.waits.posted if self.direct else 0
+            try:
+                return self.inbox.get_nowait()
+            except queue.Empty:
+                if not self.direct:
+                    return self.inbox.get()
+            got = self.waits.wait(self.rings, seen, WAKE_S)
+            if got >= 0:
+                node, ch = self.direct[got]
+                try:
+                    return ("node", node), ch.recv()
+                except BaseException as e:  # noqa: BLE001 - as a reader thread reports it
+                    self._forget(got)
+                    return ("node", node), e
+            if got == TIMED_OUT:  # check the peers, as a receive does every wake interval
+                for i, (node, ch) in enumerate(self.direct):
+                    try:
+                        ch.check_peer()
+                    except BaseException as e:  # noqa: BLE001
+                        self._forget(i)
+                        return ("node", node), e
+
+    def _forget(self, i: int) -> None:
+        del self.direct[i], self.rings[i]
 
     def run(self) -> None:
         try:
             while True:
-                source, item = self.inbox.get()
+                source, item = self._take()
                 if source == "engine":
                     if isinstance(item, BaseException) or not self._control(item):
                         return
@@ -166,6 +219,7 @@ class ReplicaServer:
             for ch in [*self.nodes, self.next, self.ctrl]:
                 if ch is not None:
                     ch.close()
+
 
     @staticmethod
     def _name(source: Any) -> str:
@@ -196,7 +250,7 @@ class ReplicaServer:
             if msg.kind == MsgKind.CONNECT:
                 for ep in msg.meta["nodes"]:
                     self.nodes.append(connect(ep, spin_us=self.cfg.spin_us))
-                    self._reader(("node", len(self.nodes) - 1), self.nodes[-1])
+                    self._receive(len(self.nodes) - 1, self.nodes[-1])
                 if msg.meta.get("next") is not None:
                     self.next = connect(msg.meta["next"], spin_us=self.cfg.spin_us)
                 reply = codec.ok()

@@ -174,7 +174,8 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         closers: list[Callable[[], None]] = [worker.close]
     else:
         from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
-        spin = receiver_spin(replica_devs, node_devs, config.instances == 1 and icfg.spin)
+        spin, idle_spin = receiver_spin(replica_devs, node_devs,
+                                        config.instances == 1 and icfg.spin)
         nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
                                    slab_size=config.cache.slab_size, transport=icfg.transport,
                                    num_threads=icfg.num_threads, spin_us=spin[len(replica_devs):],
@@ -190,7 +191,8 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         try:
             worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
                                     num_slices=len(info.split.slices), transport=icfg.transport,
-                                    timeline=timeline, spin_us=spin[:len(replica_devs)])
+                                    timeline=timeline, spin_us=spin[:len(replica_devs)],
+                                    idle_spin_us=idle_spin)
         except BaseException:
             closers[0]()
             raise
@@ -206,21 +208,27 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
 
 
 def receiver_spin(replica_devs: list[Device], node_devs: list[Device], own_core_spin: bool
-                  ) -> list[float]:
-    """How long each role's receivers busy-poll before sleeping on a doorbell (``spin_us`` of
-    its links; replicas, then nodes): a memory node alone on its cores polls for good
-    (``inf``, with ``own_core_spin``: one instance per host, ``spin`` set); a role that shares
-    its pinned cores with another never polls (``0``: the poll would take the core the other
-    role needs to answer); the rest poll briefly (:data:`SPIN_US`). Replicas never poll for
-    good: their cores run the slices."""
+                  ) -> tuple[list[float], list[float]]:
+    """How long each role's receivers busy-poll before sleeping on a doorbell: ``(links,
+    idle)``. ``links``: the ``spin_us`` of each role's links (replicas, then nodes): a memory
+    node alone on its cores polls for good (``inf``, with ``own_core_spin``: one instance per
+    host, ``spin`` set); a role that shares its pinned cores with another never polls (``0``:
+    the poll would take the core the other role needs to answer); the rest poll briefly
+    (:data:`SPIN_US`). A replica's reader threads never poll for good: their cores run the
+    slices. ``idle``: per replica, how long its main thread polls its node rings when it has
+    nothing to run: for good where it is alone on its cores (with ``own_core_spin``), else as
+    its links."""
     devs = replica_devs + node_devs
-    out = []
+    links, idle = [], []
     for i, (d, alone) in enumerate(zip(devs, exclusive(devs))):
+        forever = alone and own_core_spin
         if alone:
-            out.append(float("inf") if own_core_spin and i >= len(replica_devs) else SPIN_US)
+            links.append(float("inf") if forever and i >= len(replica_devs) else SPIN_US)
         else:
-            out.append(0.0 if d.cores else SPIN_US)
-    return out
+            links.append(0.0 if d.cores else SPIN_US)
+        if i < len(replica_devs):
+            idle.append(float("inf") if forever else links[-1])
+    return links, idle
 
 
 def launcher_for(config: DeploymentConfig) -> Launcher | None:

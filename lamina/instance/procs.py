@@ -118,13 +118,13 @@ class RemoteReplicas(WorkerClient):
     (the engine's clients of memory-node servers, owned by the caller) and to each other.
     ``replica`` is the template of every replica's :class:`ReplicaConfig` (model, dtype,
     threads, peer base); replica ``i`` runs on ``devices[i]`` (pinned to its cores) and its
-    receivers poll ``spin_us[i]`` before sleeping;
+    receivers poll ``spin_us[i]`` before sleeping (its main thread ``idle_spin_us[i]``);
     :meth:`close` stops the replicas."""
 
     def __init__(self, launcher: Launcher, replica: ReplicaConfig, nodes: list[RemoteNode],
                  config: PipelineConfig, devices: list[Device], *, num_slices: int,
                  transport: str = "auto", timeline: Timeline | None = None,
-                 spin_us: list[float] | None = None):
+                 spin_us: list[float] | None = None, idle_spin_us: list[float] | None = None):
         self.config = config
         self.micro_batches = config.micro_batches
         self.nodes = list(nodes)  # own pool's nodes, then attached (borrowed) ones
@@ -146,7 +146,9 @@ class RemoteReplicas(WorkerClient):
                                            "trace": timeline is not None,
                                            "device": d.torch,
                                            "cores": list(d.cores) if d.cores else None,
-                                           "spin_us": spin_us[i] if spin_us else SPIN_US}))
+                                           "spin_us": spin_us[i] if spin_us else SPIN_US,
+                                           "idle_spin_us": (idle_spin_us[i] if idle_spin_us
+                                                            else SPIN_US)}))
                    for i, d in enumerate(devices)]
         self.procs, self.channels = start_roles(launcher, serve_replica, configs, role="compute",
                                                 device=replica.device, transport=transport)

@@ -83,6 +83,15 @@ class Channel(ABC):
         """Let a native consumer read (:meth:`RingChannel.serve_native`); None: it cannot."""
         return None
 
+    def wait_handle(self) -> tuple[int, int, int] | None:
+        """The receive ring for a wait over several (:meth:`RingChannel.wait_handle`); None:
+        none (receive with a thread of its own)."""
+        return None
+
+    def check_peer(self) -> None:
+        """Raise :class:`ChannelClosed` / :class:`PeerDied` as a receive would, where the peer
+        closed or died and nothing is left to read (for a waiter that does not call recv)."""
+
     def __enter__(self) -> "Channel":
         return self
 

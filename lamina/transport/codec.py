@@ -96,9 +96,9 @@ def to_message(obj: Any, kind: MsgKind | None = None) -> Message:
         meta = {"works": list(obj.works)} if obj.works is not None else {}
         return Message(MsgKind.ATTEND, obj.step_id, obj.layer, obj.reply_to, meta=meta,
                        tensors=[obj.q, obj.k, obj.v])
-    if isinstance(obj, AttendResult):
-        meta = {"span": list(obj.span_ns)} if obj.span_ns is not None else {}
-        return Message(MsgKind.RESULT, obj.step_id, obj.layer, meta=meta, tensors=[obj.o, obj.lse])
+    if isinstance(obj, AttendResult):  # the span as a tensor: no meta, no JSON on the hot path
+        span = [] if obj.span_ns is None else [torch.tensor(obj.span_ns, dtype=torch.int64)]
+        return Message(MsgKind.RESULT, obj.step_id, obj.layer, tensors=[obj.o, obj.lse, *span])
     if isinstance(obj, KVChunk):
         kind = MsgKind.KV if kind is None else kind
         if kind not in (MsgKind.KV, MsgKind.IMPORT):
@@ -182,10 +182,12 @@ def from_message(msg: Message) -> Any:
                          works=tuple(_ints(works, "a works range", 2)) if works is not None
                          else None)
     if kind == MsgKind.RESULT:
-        o, lse = _tensors(msg, 2)
-        span = meta.get("span")
+        o, lse, *span = _tensors(msg, 3) if len(msg.tensors) == 3 else _tensors(msg, 2)
+        if span and (span[0].dtype != torch.int64 or span[0].shape != (2,)):
+            raise WireError(f"a RESULT's span is int64 [2], got {span[0].dtype} "
+                            f"{tuple(span[0].shape)}")
         return AttendResult(msg.step_id, msg.layer, o, lse,
-                            tuple(_ints(span, "a span", 2)) if span is not None else None)
+                            tuple(span[0].tolist()) if span else None)
     if kind in (MsgKind.KV, MsgKind.IMPORT):
         k, v = _tensors(msg, 2)
         return KVChunk(_int(meta, "req_id"), _int(meta, "start_pos"), k, v)

@@ -287,6 +287,19 @@ class RingChannel(Channel):
                          getattr(rx.data_bell, "fd", -1), getattr(rx.space_bell, "fd", -1),
                          self._spin_ns, self._yield_every, int(self._wake * 1e9))
 
+    def wait_handle(self) -> tuple[int, int, int] | None:
+        """``(ctl, tail address, data doorbell fd or -1)`` of the receive ring, for a wait over
+        several rings (:class:`~lamina.transport.waitset.WaitSet`) by the one thread that
+        receives on this end; None where a read must be published (mirrored) or there is no
+        fast path."""
+        if self._reader is None or self._rx.mirrored:
+            return None
+        return (self._rx.ctl_addr, self._reader.tail_addr, getattr(self._rx.data_bell, "fd", -1))
+
+    def check_peer(self) -> None:
+        with self._rx_lock:
+            self._check_rx()
+
     def wait_readable(self) -> None:
         """Return once a byte is there to read (after checking the peer: a receiver that spins
         for good returns at once), sleeping on the doorbell otherwise; raises as :meth:`recv`."""

@@ -206,17 +206,7 @@ class AttendPlane {
 
   static bool arrived(const Ring& rx, int64_t tail, int64_t spin_ns, int64_t yield_every) {
     const uint64_t t = static_cast<uint64_t>(tail);
-    if (rx.load(kHead) != t) return true;
-    if (spin_ns <= 0) return false;
-    const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
-    for (int64_t polls = 1;; ++polls) {
-      for (int i = 0; i < 64; ++i) {
-        if (rx.load(kHead) != t) return true;
-        _mm_pause();
-      }
-      if (yield_every > 0 && polls % yield_every == 0) sched_yield();
-      if (std::chrono::steady_clock::now() >= end) return rx.load(kHead) != t;
-    }
+    return spin([&] { return rx.load(kHead) != t; }, spin_ns, yield_every);
   }
 
   // A tensor of the message at stream count `at`: the ring's bytes in place, or a copy when
@@ -280,9 +270,8 @@ class AttendPlane {
     const DType* qt = float_dtype(dq.code);
     const int64_t o_bytes = (qb - qa) * sp.heads * sp.dim * qt->size;
     const int64_t lse_bytes = (qb - qa) * sp.heads * 4;
-    const int64_t meta_max = 64;  // {"span":[t0,t1]} with 19-digit times
-    const int64_t reply_max = align(kHeaderBytes + 2 * kDescBytes + meta_max) + align(o_bytes) +
-                              align(lse_bytes);
+    const int64_t reply_max = align(kHeaderBytes + 3 * kDescBytes) + align(o_bytes) +
+                              align(lse_bytes) + align(2 * sizeof(int64_t));
     Peer& out = peer->second;
     if (out.ring.load(kReaderClosed) || reply_max > lim_.message_bytes ||
         reply_max > out.ring.cap - static_cast<int64_t>(static_cast<uint64_t>(*out.head) -
@@ -343,23 +332,32 @@ class AttendPlane {
   }
 
   // RESULT: what codec.to_message(AttendResult) and Writer.send put in the ring.
+  // The RESULT codec.to_message(AttendResult) writes: no meta; tensors o, lse and the span
+  // [t0, t1] (int64), each padded to kAlign.
   void write_result(Peer& out, const Header& req, const at::Tensor& o, const at::Tensor& lse,
                     int64_t t0, int64_t t1) {
-    char meta[80];
-    const int n_meta = std::snprintf(meta, sizeof(meta), "{\"span\":[%lld,%lld]}",
-                                     static_cast<long long>(t0), static_cast<long long>(t1));
-    const at::Tensor* ts[2] = {&o, &lse};
-    Desc descs[2];
-    int64_t total = align(kHeaderBytes + 2 * kDescBytes + n_meta);
-    for (int i = 0; i < 2; ++i) {
-      const at::Tensor& x = *ts[i];
+    const int64_t span[2] = {t0, t1};
+    const at::Tensor oc = o.contiguous(), lc = lse.contiguous();
+    const void* src[3] = {oc.data_ptr(), lc.data_ptr(), span};
+    const at::Tensor* ts[2] = {&oc, &lc};
+    Desc descs[3];
+    std::memset(descs, 0, sizeof(descs));
+    int64_t total = align(kHeaderBytes + 3 * kDescBytes);
+    for (int i = 0; i < 3; ++i) {
       Desc& d = descs[i];
-      std::memset(&d, 0, sizeof(d));
-      const DType* dt = by_type(x.scalar_type());
-      d.code = static_cast<uint8_t>(dt->code);
-      d.ndim = static_cast<uint8_t>(x.dim());
-      d.nbytes = static_cast<uint64_t>(x.numel() * dt->size);
-      for (int64_t k = 0; k < x.dim(); ++k) d.shape[k] = x.size(k);
+      if (i < 2) {
+        const at::Tensor& x = *ts[i];
+        const DType* dt = by_type(x.scalar_type());
+        d.code = static_cast<uint8_t>(dt->code);
+        d.ndim = static_cast<uint8_t>(x.dim());
+        d.nbytes = static_cast<uint64_t>(x.numel() * dt->size);
+        for (int64_t k = 0; k < x.dim(); ++k) d.shape[k] = x.size(k);
+      } else {
+        d.code = static_cast<uint8_t>(by_type(at::kLong)->code);
+        d.ndim = 1;
+        d.nbytes = sizeof(span);
+        d.shape[0] = 2;
+      }
       total += align(static_cast<int64_t>(d.nbytes));
     }
     Header hd;
@@ -367,18 +365,16 @@ class AttendPlane {
     hd.version = kVersion;
     hd.kind = static_cast<uint16_t>(result_);
     hd.step_id = req.step_id, hd.layer = req.layer, hd.reply_to = 0;
-    hd.num_tensors = 2;
-    hd.meta_len = static_cast<uint32_t>(n_meta);
+    hd.num_tensors = 3;
+    hd.meta_len = 0;
     hd.total = static_cast<uint64_t>(total);
     const uint64_t h = static_cast<uint64_t>(*out.head);
     uint64_t at = h;
     out.ring.put(at, &hd, kHeaderBytes), at += kHeaderBytes;
-    out.ring.put(at, descs, 2 * kDescBytes), at += 2 * kDescBytes;
-    out.ring.put(at, meta, n_meta);
-    at = h + align(kHeaderBytes + 2 * kDescBytes + n_meta);
-    for (int i = 0; i < 2; ++i) {
-      const at::Tensor x = ts[i]->contiguous();
-      if (descs[i].nbytes) out.ring.put(at, x.data_ptr(), static_cast<int64_t>(descs[i].nbytes));
+    out.ring.put(at, descs, 3 * kDescBytes);
+    at = h + align(kHeaderBytes + 3 * kDescBytes);
+    for (int i = 0; i < 3; ++i) {
+      if (descs[i].nbytes) out.ring.put(at, src[i], static_cast<int64_t>(descs[i].nbytes));
       at += align(static_cast<int64_t>(descs[i].nbytes));
     }
     *out.head = static_cast<int64_t>(h + total);

@@ -75,3 +75,18 @@ def test_own_cores_pins_and_sizes_the_thread_pool():
             "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), n)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[0] == "[0] 1 1"
+
+
+def test_receiver_spin_follows_core_ownership():
+    """Links: a node alone on its cores polls for good, roles on shared cores never poll, the
+    rest briefly; a replica's main thread polls its node rings for good when it is alone."""
+    from lamina.instance import receiver_spin
+    from lamina.transport.endpoint import SPIN_US
+    inf = float("inf")
+    own = [parse("cpu:0")], [parse("cpu:1")]
+    assert receiver_spin(*own, True) == ([SPIN_US, inf], [inf])
+    assert receiver_spin(*own, False) == ([SPIN_US, SPIN_US], [SPIN_US])  # several instances
+    shared = [parse("cpu:0")], [parse("cpu:0")]
+    assert receiver_spin(*shared, True) == ([0.0, 0.0], [0.0])
+    unpinned = [parse("cpu")], [parse("cpu")]
+    assert receiver_spin(*unpinned, True) == ([SPIN_US, SPIN_US], [SPIN_US])

@@ -1,6 +1,6 @@
 """The memory node's native ATTEND path against the Python path (the reference): for random
 steps, shards, mini-batches, dtypes and malformed ATTENDs, the native plane's replies are the
-Python path's (kind, ids, tensors byte for byte, meta but the span's times), node state stays
+Python path's (kind, ids, tensors byte for byte, meta; the span's times aside), node state stays
 equal, and whatever the plane does not take stays in the ring for Python, untouched."""
 from __future__ import annotations
 
@@ -79,11 +79,13 @@ def _same(a: Message, b: Message) -> bool:
 
 
 def _no_span(msg: Message) -> Message:
-    meta = dict(msg.meta)
-    span = meta.pop("span", None)
-    if span is not None:
-        assert isinstance(span, list) and len(span) == 2 and span[0] <= span[1]
-    return Message(msg.kind, msg.step_id, msg.layer, msg.reply_to, meta, msg.tensors)
+    """A RESULT without its span (the node's times: the last tensor, int64 [2])."""
+    if msg.kind != MsgKind.RESULT:
+        return msg
+    assert len(msg.tensors) == 3
+    span = msg.tensors[-1]
+    assert span.dtype == torch.int64 and span.shape == (2,) and span[0] <= span[1]
+    return Message(msg.kind, msg.step_id, msg.layer, msg.reply_to, msg.meta, msg.tensors[:-1])
 
 
 def _state(node: MemoryNode) -> tuple:

@@ -34,8 +34,15 @@ def test_attend_and_result_round_trip():
     assert codec.from_message(over_wire(codec.to_message(part))).works == (3, 5)
     r = AttendResult(9, 4, torch.randn(5, 8, 16), torch.tensor([[float("-inf")] * 8] * 5))
     r2 = codec.from_message(over_wire(codec.to_message(r)))
-    assert (r2.step_id, r2.layer) == (9, 4)
+    assert (r2.step_id, r2.layer, r2.span_ns) == (9, 4, None)
     assert_same([r.o, r.lse], [r2.o, r2.lse])
+    timed = AttendResult(9, 4, r.o, r.lse, span_ns=(5, 2**62))
+    m = codec.to_message(timed)
+    assert m.meta == {} and len(m.tensors) == 3  # the span as a tensor: no meta on the hot path
+    assert codec.from_message(over_wire(m)).span_ns == (5, 2**62)
+    bad = Message(MsgKind.RESULT, 9, 4, tensors=[r.o, r.lse, torch.zeros(3)])
+    with pytest.raises(WireError, match="span"):
+        codec.from_message(bad)
 
 
 @pytest.mark.parametrize("kind", [MsgKind.KV, MsgKind.IMPORT])

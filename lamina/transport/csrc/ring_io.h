@@ -9,10 +9,13 @@
 #pragma once
 
 #include <Python.h>
+#include <immintrin.h>
 #include <poll.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
@@ -86,6 +89,30 @@ auto without_gil(Fn fn) {
   return out;
 }
 
+// Polls ready() until it is true or timeout_ns passed (the caller holds no GIL); whether it came
+// true. yield_every > 0: sched_yield every that many rounds of 64 polls, so a runnable thread of
+// this core gets its turn.
+template <typename Ready>
+bool spin(Ready ready, int64_t timeout_ns, int64_t yield_every) {
+  if (ready()) return true;
+  if (timeout_ns <= 0) return false;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+  for (int64_t polls = 1;; ++polls) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      _mm_pause();
+    }
+    if (yield_every > 0 && polls % yield_every == 0) sched_yield();
+    if (std::chrono::steady_clock::now() >= end) return ready();
+  }
+}
+
+inline void drain(int fd) {  // a doorbell's (non-blocking FIFO or eventfd) pending wake-ups
+  char buf[64];
+  while (read(fd, buf, sizeof(buf)) > 0) {
+  }
+}
+
 // ring_memory.wait_for's sleep, for a reader at `tail`: raise the reader's waiting flag, look
 // again, sleep on the data doorbell (a FIFO's fd) until it rings or timeout_ns passed; whether
 // data arrived (false after a ring without data too: the caller checks why, as wait_for does).
@@ -96,11 +123,8 @@ inline bool sleep_until_data(const Ring& rx, int64_t tail, int bell, int64_t tim
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   if (rx.load(kHead) == t && timeout_ns > 0) {
     pollfd p{bell, POLLIN, 0};
-    if (poll(&p, 1, static_cast<int>(std::min<int64_t>(timeout_ns / 1000000 + 1, 1000))) > 0) {
-      char buf[64];
-      while (read(bell, buf, sizeof(buf)) > 0) {  // drain: the FIFO is non-blocking
-      }
-    }
+    if (poll(&p, 1, static_cast<int>(std::min<int64_t>(timeout_ns / 1000000 + 1, 1000))) > 0)
+      drain(bell);
   }
   rx.store(kReaderWaits, 0);
   return rx.load(kHead) != t;

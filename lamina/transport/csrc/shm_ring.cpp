@@ -42,23 +42,12 @@ constexpr int64_t kMaxDescs = 64;  // most tensors of a fast-path message (more:
 // costs more than the copy (a 4 KB message is ~100 ns of memcpy).
 constexpr int64_t kNoGilBytes = 64 << 10;
 
-// Spins without the GIL until ready() or timeout_ns passed; yield_every > 0: sched_yield every
-// that many rounds of 64 polls, so a runnable thread of this core gets its turn.
+// Spins without the GIL until ready() or timeout_ns passed (lamina_ring::spin).
 template <typename Ready>
 bool spin_until(Ready ready, int64_t timeout_ns, int64_t yield_every) {
   if (ready()) return true;
   if (timeout_ns <= 0) return false;
-  return without_gil([&] {
-    const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
-    for (int64_t polls = 1;; ++polls) {
-      for (int i = 0; i < 64; ++i) {
-        if (ready()) return true;
-        _mm_pause();
-      }
-      if (yield_every > 0 && polls % yield_every == 0) sched_yield();
-      if (std::chrono::steady_clock::now() >= end) return ready();
-    }
-  });
+  return without_gil([&] { return spin(ready, timeout_ns, yield_every); });
 }
 
 // One end's writer of one direction: the ring, the limits and HEAD (this end's count, which it
@@ -269,6 +258,73 @@ bool ring_wait(int64_t ctl_addr, int64_t word, int64_t base, int64_t need, int64
       timeout_ns, yield_every);
 }
 
+// A wait set's two words (lamina/transport/waitset.py): kPosted counts messages other threads
+// handed to the waiter, kSleeping says the waiter sleeps in poll() (and wants wake_fd written).
+constexpr int kPosted = 0, kSleeping = 1;
+
+// A producer thread handed the waiter something: count it, and wake the waiter if it sleeps.
+void post(int64_t words_addr, int64_t wake_fd) {
+  auto* w = reinterpret_cast<int64_t*>(words_addr);
+  __atomic_add_fetch(w + kPosted, 1, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(w + kSleeping, __ATOMIC_SEQ_CST)) {
+    const uint64_t one = 1;
+    (void)!write(static_cast<int>(wake_fd), &one, sizeof(one));
+  }
+}
+
+// Waits without the GIL for the first of several rings to hold unread bytes (each ring: its
+// ctl address, the address of its reader's tail, its data doorbell's fd or -1) or for the posted
+// count to differ from `seen`: polls spin_ns (yield_every as spin), then, for at most
+// timeout_ns, raises every ring's reader-waits flag and the sleeping word, looks again, and
+// sleeps in poll() on the doorbells and wake_fd. Returns the index of a ring with data, -1 when
+// something was posted, -2 when the time passed with neither (or a doorbell rang for nothing:
+// the caller checks the peers then, as after a receive's wake interval).
+int64_t wait_any(const std::vector<std::tuple<int64_t, int64_t, int64_t>>& rings,
+                 int64_t words_addr, int64_t seen, int64_t wake_fd, int64_t spin_ns,
+                 int64_t yield_every, int64_t timeout_ns) {
+  std::vector<Ring> rs;
+  std::vector<const int64_t*> tails;
+  std::vector<pollfd> fds;
+  for (const auto& [ctl, tail, bell] : rings) {
+    rs.emplace_back(ctl, 0, 1);
+    tails.push_back(reinterpret_cast<const int64_t*>(tail));
+    if (bell >= 0) fds.push_back(pollfd{static_cast<int>(bell), POLLIN, 0});
+  }
+  auto* words = reinterpret_cast<int64_t*>(words_addr);
+  int64_t found = -2;
+  auto ready = [&] {
+    for (size_t i = 0; i < rs.size(); ++i) {
+      if (rs[i].load(kHead) != static_cast<uint64_t>(*tails[i])) {
+        found = static_cast<int64_t>(i);
+        return true;
+      }
+    }
+    if (__atomic_load_n(words + kPosted, __ATOMIC_ACQUIRE) != seen) {
+      found = -1;
+      return true;
+    }
+    return false;
+  };
+  if (ready()) return found;
+  return without_gil([&]() -> int64_t {
+    if (spin(ready, spin_ns, yield_every) || timeout_ns <= 0) return found;
+    for (const Ring& r : rs) r.store(kReaderWaits, 1);
+    __atomic_store_n(words + kSleeping, 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!ready()) {
+      fds.push_back(pollfd{static_cast<int>(wake_fd), POLLIN, 0});
+      const int ms = static_cast<int>(std::min<int64_t>(timeout_ns / 1000000 + 1, 1000));
+      if (poll(fds.data(), fds.size(), ms) > 0)
+        for (const pollfd& p : fds)
+          if (p.revents & POLLIN) drain(p.fd);
+      ready();
+    }
+    __atomic_store_n(words + kSleeping, 0, __ATOMIC_SEQ_CST);
+    for (const Ring& r : rs) r.store(kReaderWaits, 0);
+    return found;
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -304,6 +360,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "address of tail, for a native reader that holds the channel's receive lock");
   m.def("ring_wait", &ring_wait,
         "ring_wait(ctl, word, base, need, timeout_ns, yield_every) -> ctl[word] - base >= need");
+  m.def("post", &post, "post(words_addr, wake_fd): count one posted item; wake a sleeping waiter");
+  m.def("wait_any", &wait_any,
+        "wait_any([(ctl, tail_addr, bell_fd)], words_addr, seen, wake_fd, spin_ns, yield_every, "
+        "timeout_ns) -> index of a ring with data | -1 (posted) | -2 (time passed)");
   m.def("layout", &lamina_ring::layout, "layout() -> dict: the layout this module assumes");
   for (size_t s = 0; s < std::size(kStatusNames); ++s) m.attr(kStatusNames[s]) = int64_t(s);
 }
