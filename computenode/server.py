@@ -17,10 +17,10 @@ Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no 
   message while its attention runs (``layer`` = the slice it feeds; meta: value names and
   the number of ATTEND parts per node to wait for).
 
-The main thread receives on the node links itself where they are shm rings (one native wait
-over those rings and the inbox, :class:`~lamina.transport.waitset.WaitSet`: a RESULT wakes the
-thread that merges it); every other inbound channel has a reader thread that puts messages into
-the inbox. The main thread files each message under its step and runs every slice whose context
+The main thread receives on the engine's and the nodes' links itself where they are shm rings
+(one native wait over those rings and the inbox, :class:`~lamina.transport.waitset.WaitSet`: a
+RESULT wakes the thread that merges it); every other inbound channel has a reader thread that
+puts messages into the inbox. The main thread files each message under its step and runs every slice whose context
 and attention results have arrived (oldest micro-batch first). A failing node or peer fails every micro-batch
 in flight with an ERROR to the engine; the replica keeps serving (the engine decides the rest).
 With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays here has
@@ -52,7 +52,7 @@ from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, PrepareMsg
 
 codec.register_error(NodeFailure)
-WAKE_S = 0.05  # the main thread checks the node links it waits on at least this often
+WAKE_S = 0.05  # the main thread checks the links it waits on at least this often
 
 
 @dataclass
@@ -126,7 +126,7 @@ class ReplicaServer:
         self.failure: Exception | None = None
         fast = shm_fast.load()
         self.waits = WaitSet(fast, config.idle_spin_us) if fast is not None else None
-        self.direct: list[tuple[int, Any]] = []  # (node index, channel) received on here
+        self.direct: list[tuple[Any, Any]] = []  # (source, channel) received on here
         self.rings: list[tuple[int, int, int]] = []  # their wait handles
         polling = make_polling(config.device_polling, replica.device, config.micro_batches,
                                config.max_step_tokens)
@@ -135,7 +135,7 @@ class ReplicaServer:
         self.runner = SliceRunner({config.index: replica}, pipeline, self,
                                   peer_base=config.peer_base, polling=polling,
                                   span=self._span if config.trace else None)
-        self._reader("engine", ctrl)
+        self._receive("engine", ctrl)
 
     # -- plumbing -----------------------------------------------------------------------------
     def _reader(self, source: Any, ch) -> None:
@@ -156,19 +156,19 @@ class ReplicaServer:
                     self.waits.post()
         threading.Thread(target=loop, daemon=True, name=f"reader-{source}").start()
 
-    def _receive(self, node: int, ch) -> None:
-        """Receive node ``node``'s messages on the main thread where its channel allows,
-        else with a reader thread."""
+    def _receive(self, source: Any, ch) -> None:
+        """Receive ``ch``'s messages on the main thread where the channel allows (the engine's
+        and the nodes' shm rings), else with a reader thread."""
         handle = ch.wait_handle() if self.waits is not None else None
         if handle is None:
-            self._reader(("node", node), ch)
+            self._reader(source, ch)
         else:
-            self.direct.append((node, ch))
+            self.direct.append((source, ch))
             self.rings.append(handle)
 
     def _take(self) -> tuple[Any, Any]:
         """The next ``(source, message or the error that ended its channel)``: the inbox's, or
-        one from a node ring this thread receives on, waiting on both at once."""
+        one from a ring this thread receives on, waiting on both at once."""
         while True:
             seen = self.waits.posted if self.direct else 0
             try:
@@ -178,19 +178,19 @@ class ReplicaServer:
                     return self.inbox.get()
             got = self.waits.wait(self.rings, seen, WAKE_S)
             if got >= 0:
-                node, ch = self.direct[got]
+                source, ch = self.direct[got]
                 try:
-                    return ("node", node), ch.recv()
+                    return source, ch.recv()
                 except BaseException as e:  # noqa: BLE001 - as a reader thread reports it
                     self._forget(got)
-                    return ("node", node), e
+                    return source, e
             if got == TIMED_OUT:  # check the peers, as a receive does every wake interval
-                for i, (node, ch) in enumerate(self.direct):
+                for i, (source, ch) in enumerate(self.direct):
                     try:
                         ch.check_peer()
                     except BaseException as e:  # noqa: BLE001
                         self._forget(i)
-                        return ("node", node), e
+                        return source, e
 
     def _forget(self, i: int) -> None:
         del self.direct[i], self.rings[i]
@@ -250,7 +250,7 @@ class ReplicaServer:
             if msg.kind == MsgKind.CONNECT:
                 for ep in msg.meta["nodes"]:
                     self.nodes.append(connect(ep, spin_us=self.cfg.spin_us))
-                    self._receive(len(self.nodes) - 1, self.nodes[-1])
+                    self._receive(("node", len(self.nodes) - 1), self.nodes[-1])
                 if msg.meta.get("next") is not None:
                     self.next = connect(msg.meta["next"], spin_us=self.cfg.spin_us)
                 reply = codec.ok()
