@@ -77,6 +77,11 @@ class Port(Protocol):
 
     def to_engine(self, mb: MicroBatch, tokens: list[int]) -> None: ...
 
+    def await_result(self, node: int, step_id: int, layer: int) -> AttendResult | None:
+        """Node ``node``'s RESULT of ``(step_id, layer)``, waited for right here, by a runner
+        with nothing else to do; None where the port cannot (the RESULT then comes the usual
+        way, :meth:`SliceRunner.on_result`)."""
+
     def failed(self, mb: MicroBatch, error: Exception) -> None:
         """``mb`` failed here (a slice or the sampler raised); the runner has dropped it."""
 
@@ -227,7 +232,12 @@ class SliceRunner:
             self.port.to_next(mb, context, parts)
         if self.span is not None:
             self.span("compute", here, f"slice {k}{tag}", t1, t2, mb)
-            self.span("compute", here, "send", t2, time.perf_counter_ns(), mb)
+            self.span("compute", here, "send", t2, mb.sent_ns, mb)
+        if parts == [1] and nxt == here and len(self.mbs) == 1 and self.polling is None:
+            # nothing else can run here before this RESULT: wait for it in place
+            res = self.port.await_result(mb.routes[0].node, plan.step_id, k)
+            if res is not None:
+                self.on_result(mb, 0, res)
 
     # -- internals -------------------------------------------------------------------------------
     def _merge(self, mb: MicroBatch, here: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from lamina import stages
 from lamina.computenode.polling import eager_module_loading, make_polling
 from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.runner import MicroBatch, SliceRunner
@@ -49,7 +50,7 @@ from lamina.transport.endpoint import SPIN_US, Listening, connect, listen
 from lamina.transport.waitset import TIMED_OUT, WaitSet
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport.wire import Message, MsgKind
-from lamina.types import AttendMsg, PrepareMsg
+from lamina.types import AttendMsg, AttendResult, PrepareMsg
 
 codec.register_error(NodeFailure)
 WAKE_S = 0.05  # the main thread checks the links it waits on at least this often
@@ -94,9 +95,12 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
         from lamina.models import default_dtype, load_model
         from lamina.split_cache import load_split
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(torch.device(cfg.device))
-        split = load_split(cfg.model, dtype, cfg.device,
-                           lambda: load_model(cfg.model, dtype=dtype, device=cfg.device).model)
-        replica = ComputeReplica(split, cfg.device, cuda_graph_tokens=cfg.cuda_graph_tokens)
+        def load():
+            with stages.stage("load model"):
+                return load_model(cfg.model, dtype=dtype, device=cfg.device).model
+        split = load_split(cfg.model, dtype, cfg.device, load)
+        with stages.stage("replica"):
+            replica = ComputeReplica(split, cfg.device, cuda_graph_tokens=cfg.cuda_graph_tokens)
     except Exception as e:  # report it to the engine, which is waiting for a PING reply
         error = e
     else:
@@ -257,8 +261,8 @@ class ReplicaServer:
                 reply.step_id = msg.step_id  # the engine may match it among its steps' replies
                 self.ctrl.send(reply)
                 return True
-            if msg.kind in (MsgKind.PING, MsgKind.SHUTDOWN):
-                self.ctrl.send(codec.ok({"pid": os.getpid()}))
+            if msg.kind in (MsgKind.PING, MsgKind.SHUTDOWN):  # the first: with the start's stages
+                self.ctrl.send(codec.ok({"pid": os.getpid(), "stages": stages.take()}))
                 return msg.kind == MsgKind.PING
             raise ValueError(f"compute replica cannot handle a {msg.kind.name} message")
         except (PeerDied, ChannelClosed) as e:
@@ -325,6 +329,29 @@ class ReplicaServer:
     # -- the runner's port --------------------------------------------------------------------------
     def to_node(self, node: int, msg: PrepareMsg | AttendMsg) -> None:
         self._send(("node", node), codec.to_message(msg))
+
+    def await_result(self, node: int, step_id: int, layer: int) -> AttendResult | None:
+        """Wait on this thread for node ``node``'s RESULT of ``(step_id, layer)`` on its ring
+        alone (no trip through the main loop). None where this thread does not receive that
+        link itself, or once anything else needs the main loop: a message other than the
+        PREPARE's OK (filed), a post from a reader thread, a wait interval without data, a
+        failing receive (the main loop meets it again)."""
+        source = ("node", node)
+        i = next((j for j, (s, _) in enumerate(self.direct) if s == source), -1)
+        if i < 0:
+            return None
+        ring, ch = [self.rings[i]], self.direct[i][1]
+        while self.waits.wait(ring, self.waits.posted, WAKE_S) == 0:
+            try:
+                msg = ch.recv()
+            except BaseException:  # noqa: BLE001 - the main loop's receive raises it again
+                return None
+            if msg.kind == MsgKind.RESULT and msg.step_id == step_id and msg.layer == layer:
+                return codec.from_message(msg)
+            self._file(source, msg)
+            if msg.kind != MsgKind.OK:
+                return None
+        return None
 
     def to_next(self, mb: MicroBatch, values: dict[str, torch.Tensor], parts: list[int]) -> None:
         names = list(values)

@@ -32,6 +32,7 @@ from lamina import env
 from lamina import splitter
 from lamina.splitter import SplitModel, split_model
 from lamina.splitter.errors import SplitError
+from lamina.stages import stage
 
 _SPLITTER = Path(splitter.__file__).resolve().parent  # its source is part of the key
 
@@ -82,6 +83,12 @@ def _read(folder: Path) -> SplitModel | None:
         serde.setLevel(level)
 
 
+def _split(load: Callable[[], torch.nn.Module]) -> SplitModel:
+    model = load()
+    with stage("split: export and cut"):
+        return split_model(model)
+
+
 def load_split(name: str, dtype: torch.dtype, device: torch.device | str,
                load: Callable[[], torch.nn.Module]) -> SplitModel:
     """The split of model ``name`` in ``dtype`` on ``device``: from the cache, else
@@ -89,15 +96,19 @@ def load_split(name: str, dtype: torch.dtype, device: torch.device | str,
     root = split_dir()
     key = split_key(name, dtype, device) if root is not None else None
     if key is None:
-        return split_model(load())
+        return _split(load)
     folder = root / key
-    if (folder / "split.json").is_file() and (split := _read(folder)) is not None:
-        return split
-    split = split_model(load())
+    if (folder / "split.json").is_file():
+        with stage("split: read cache"):
+            split = _read(folder)
+        if split is not None:
+            return split
+    split = _split(load)
     tmp = folder.with_name(f"{key}.tmp{os.getpid()}")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        split.save(tmp)
+        with stage("split: store"):
+            split.save(tmp)
         (tmp / "key.json").write_text(json.dumps({"model": str(name), "dtype": str(dtype),
                                                   "device": str(device)}))
         os.replace(tmp, folder)  # atomic; fails if another process stored it first

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lamina import stages
 from lamina.config import KernelConfig, dtype_name, use_kernels
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
@@ -63,8 +64,8 @@ def handle(node: MemoryNode, msg: Message) -> Message:
         if kind == MsgKind.IMPORT:
             node.import_kv(codec.from_message(msg))
             return codec.ok()
-        if kind in (MsgKind.PING, MsgKind.SHUTDOWN):
-            return codec.ok({"pid": os.getpid()})
+        if kind in (MsgKind.PING, MsgKind.SHUTDOWN):  # the first PING: with the start's stages
+            return codec.ok({"pid": os.getpid(), "stages": stages.take()})
         raise ValueError(f"memory node cannot handle a {kind.name} message")
     except Exception as e:  # every failure is the caller's to see, never a crash
         return error_reply(e, msg)
@@ -226,4 +227,8 @@ def serve_node(endpoint: dict[str, Any], config: dict[str, Any]) -> None:
     if cfg.kernels:
         use_kernels(KernelConfig(**cfg.kernels))
     ch = connect(endpoint)  # control: sleeps when idle
-    NodeServer(build_node(cfg), spin_us=cfg.spin_us).serve(ch)
+    with stages.stage("build node"):
+        node = build_node(cfg)
+    with stages.stage("native plane"):
+        server = NodeServer(node, spin_us=cfg.spin_us)
+    server.serve(ch)

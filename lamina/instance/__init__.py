@@ -35,6 +35,7 @@ from lamina.instance.launcher import Launcher
 from lamina.memnode import KVPool, MemoryNode
 from lamina.models import eos_token_ids, load_model
 from lamina.split_cache import load_split
+from lamina.stages import stage
 from lamina.splitter import SplitModel
 from lamina.timeline import Timeline
 from lamina.transport.endpoint import SPIN_US
@@ -79,7 +80,8 @@ def load_model_info(config: DeploymentConfig) -> ModelInfo:
 
 
 def _load_model_info(model: str, dtype: torch.dtype | None, device: torch.device) -> ModelInfo:
-    loaded = load_model(model, dtype=dtype, device=device)
+    with stage("load model"):
+        loaded = load_model(model, dtype=dtype, device=device)
     cfg = getattr(loaded.model, "config", None)
     split = load_split(model, loaded.dtype, device, lambda: loaded.model)
     return ModelInfo(split, loaded.dtype, loaded.tokenizer,
@@ -162,12 +164,16 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         cores = sorted({c for d in replica_devs + node_devs for c in (d.cores or ())})
         if cores:  # cores named: this process runs every role, so it owns their union
             own_cores(cores)
-        nodes: list[NodeClient] = [
-            InProcessNode(MemoryNode(info.specs, cap, slab_size=config.cache.slab_size,
-                                     dtype=info.dtype, device=d.torch), name=f"memory node {k}")
-            for k, d in enumerate(node_devs)]
+        with stage("memory nodes"):
+            nodes: list[NodeClient] = [
+                InProcessNode(MemoryNode(info.specs, cap, slab_size=config.cache.slab_size,
+                                         dtype=info.dtype, device=d.torch),
+                              name=f"memory node {k}")
+                for k, d in enumerate(node_devs)]
         sampler = Sampler()
-        replicas = [ComputeReplica(info.split, d.torch, sampler, graph_tokens) for d in replica_devs]
+        with stage("compute replicas"):
+            replicas = [ComputeReplica(info.split, d.torch, sampler, graph_tokens)
+                        for d in replica_devs]
         polling = make_polling(icfg.device_polling, replica_devs[0].torch,
                                icfg.pipeline.micro_batches, config.scheduler.max_num_batched_tokens)
         worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline, polling)
@@ -176,10 +182,11 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
         spin, idle_spin = receiver_spin(replica_devs, node_devs,
                                         config.instances == 1 and icfg.spin)
-        nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
-                                   slab_size=config.cache.slab_size, transport=icfg.transport,
-                                   num_threads=icfg.num_threads, spin_us=spin[len(replica_devs):],
-                                   kernels=icfg.kernels)
+        with stage("memory nodes"):
+            nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
+                                       slab_size=config.cache.slab_size,
+                                       transport=icfg.transport, num_threads=icfg.num_threads,
+                                       spin_us=spin[len(replica_devs):], kernels=icfg.kernels)
         closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
         template = ReplicaConfig(config.model.model, replica_devs[0].torch,
                                  dtype_name(info.dtype), 0, 1, "none",
@@ -189,10 +196,12 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                                  max_step_tokens=config.scheduler.max_num_batched_tokens,
                                  kernels=asdict(icfg.kernels))
         try:
-            worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
-                                    num_slices=len(info.split.slices), transport=icfg.transport,
-                                    timeline=timeline, spin_us=spin[:len(replica_devs)],
-                                    idle_spin_us=idle_spin)
+            with stage("compute replicas"):
+                worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
+                                        num_slices=len(info.split.slices),
+                                        transport=icfg.transport, timeline=timeline,
+                                        spin_us=spin[:len(replica_devs)],
+                                        idle_spin_us=idle_spin)
         except BaseException:
             closers[0]()
             raise

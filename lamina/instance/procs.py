@@ -40,6 +40,7 @@ from lamina.errors import NodeFailure
 from lamina.instance.launcher import (UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT, Launcher, RoleHandle,
                                      stop_role)
 from lamina.memnode.server import node_config, serve_node
+from lamina.stages import add_role
 from lamina.timeline import Timeline
 from lamina.transport import codec
 from lamina.transport.base import REPLY_TIMEOUT_S, START_TIMEOUT_S, ChannelClosed, PeerDied
@@ -59,10 +60,12 @@ def start_roles(launcher: Launcher, target: Callable[..., Any], configs: list[di
     every role started is stopped and the error propagates."""
     handles: list[RoleHandle] = []
     channels: list = []
+    started: list[float] = []
+    label = "memory node" if role == "memory" else "replica"
     try:
         for i, cfg in enumerate(configs):
             lst = listen(*launcher.control_link(transport))
-            label = "memory node" if role == "memory" else "replica"
+            started.append(time.perf_counter())
             handles.append(launcher.start(target, (lst.endpoint, cfg), f"lamina: {label} {i}",
                                           role=role, device=device))
             ch = lst.channel()
@@ -71,7 +74,9 @@ def start_roles(launcher: Launcher, target: Callable[..., Any], configs: list[di
         for i, ch in enumerate(channels):
             try:
                 ch.send(codec.ping())
-                codec.raise_if_error(ch.recv(START_TIMEOUT_S))
+                reply = codec.raise_if_error(ch.recv(START_TIMEOUT_S))
+                add_role(f"{label} {i}", time.perf_counter() - started[i],
+                         reply.meta.get("stages", {}))
             except (PeerDied, ChannelClosed, TimeoutError) as e:
                 if getattr(handles[i], "exitcode", None) == UNGUARDED_MAIN_EXIT:
                     raise RuntimeError(UNGUARDED_MAIN) from None

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from lamina import LLM, SamplingParams
+from lamina import LLM, SamplingParams, stages
 from lamina.device import available_cores
 from lamina.instance.launcher import UNGUARDED_MAIN
 
@@ -92,8 +92,11 @@ def test_kernel_choices_are_config_carried_to_every_role_and_given_back(folder):
         == {"attention": "torch", "linear": "torch", "ring": "python", "plane": "python"}
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outs = {}
+    stages.take()
     for name in ("auto", "torch"):
         with LLM(folder, kv_cache_tokens=64, kernels=name) as llm:
+            if name == "auto":  # where an in-process start's seconds went (lamina.stages)
+                assert {"memory nodes", "compute replicas"} <= set(stages.take())
             assert kernels_in_use() == KernelConfig.named(name)
             outs[name] = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
         assert kernels_in_use() == before
@@ -107,6 +110,9 @@ def test_role_processes_compute_with_their_instance_kernels(folder):
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with LLM(folder, kv_cache_tokens=64, placement="procs", memory=1,
              kernels=KernelConfig(attention="ref", linear="torch", ring="python")) as llm:
+        started = stages.take()  # each role's start, with its own stages (lamina.stages)
+        assert {"memory nodes", "compute replicas", "replica 0: start",
+                "memory node 0: build node", "replica 0: replica"} <= set(started)
         node = llm.deployment.instances[0].nodes[0]
         assert node.ch._writer is None  # the engine's ring to the node: the Python codec
         ref = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
