@@ -33,6 +33,7 @@ from lamina import splitter
 from lamina.splitter import SplitModel, split_model
 from lamina.splitter.errors import SplitError
 from lamina.stages import stage
+from lamina.types import AttentionSpec
 
 _SPLITTER = Path(splitter.__file__).resolve().parent  # its source is part of the key
 
@@ -81,6 +82,22 @@ def _read(folder: Path) -> SplitModel | None:
         return None
     finally:
         serde.setLevel(level)
+
+
+def cached_layout(name: str, dtype: torch.dtype, device: torch.device | str
+                  ) -> tuple[list[AttentionSpec], int] | None:
+    """``(attention specs, number of slices)`` of the cached split of ``name``, read from its
+    ``split.json`` alone (no program, no weights), or None when there is no cached entry."""
+    root = split_dir()
+    key = split_key(name, dtype, device) if root is not None else None
+    meta = root / key / "split.json" if key is not None else None
+    if meta is None or not (meta.parent / "program.pt2").is_file() or not meta.is_file():
+        return None
+    try:
+        m = json.loads(meta.read_text())
+        return [AttentionSpec(**s) for s in m["specs"]], len(m["infos"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _split(load: Callable[[], torch.nn.Module]) -> SplitModel:

@@ -34,7 +34,7 @@ from lamina.instance.inproc import InProcessReplicas
 from lamina.instance.launcher import Launcher
 from lamina.memnode import KVPool, MemoryNode
 from lamina.models import eos_token_ids, load_model
-from lamina.split_cache import load_split
+from lamina.split_cache import cached_layout, load_split
 from lamina.stages import stage
 from lamina.splitter import SplitModel
 from lamina.timeline import Timeline
@@ -48,19 +48,27 @@ PEER_STRIDE = 1 << 16  # replica r of instance i is peer i * PEER_STRIDE + r on 
 
 @dataclass
 class ModelInfo:
-    """What the engine side knows of the model, whatever the placement: the split (run by
-    in-process replicas; its specs size the KV pools), tokenizer, stop ids and limits."""
+    """What the engine side knows of the model, whatever the placement: the attention specs
+    (they size the KV pools), the number of slices, tokenizer, stop ids and limits, and the
+    split itself, which only in-process replicas (and the performance profile) run: read on
+    first use (:attr:`split`) where the split cache already told the specs, so an engine whose
+    replicas are processes never reads it."""
 
-    split: SplitModel
+    specs: list[AttentionSpec]
+    num_slices: int
     dtype: torch.dtype
     tokenizer: Any
     eos: set[int]
     vocab_size: int | None
     max_model_len: int | None
+    read_split: Callable[[], SplitModel] | None = None  # how to get the split (once)
+    _split: SplitModel | None = None
 
     @property
-    def specs(self) -> list[AttentionSpec]:
-        return self.split.specs
+    def split(self) -> SplitModel:
+        if self._split is None:
+            self._split = self.read_split()
+        return self._split
 
 
 _LAST_INFO: dict[tuple, ModelInfo] = {}  # the last model split in this process (one entry)
@@ -83,11 +91,20 @@ def _load_model_info(model: str, dtype: torch.dtype | None, device: torch.device
     with stage("load model"):
         loaded = load_model(model, dtype=dtype, device=device)
     cfg = getattr(loaded.model, "config", None)
-    split = load_split(model, loaded.dtype, device, lambda: loaded.model)
-    return ModelInfo(split, loaded.dtype, loaded.tokenizer,
-                     eos_token_ids(loaded.model, loaded.tokenizer),
+    dtype = loaded.dtype
+
+    def read_split() -> SplitModel:  # holds no model: a cache miss loads it again
+        return load_split(model, dtype, device,
+                          lambda: load_model(model, dtype=dtype, device=device).model)
+    info = ModelInfo([], 0, dtype, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
                      getattr(cfg, "vocab_size", None),
-                     getattr(cfg, "max_position_embeddings", None))
+                     getattr(cfg, "max_position_embeddings", None), read_split)
+    layout = cached_layout(model, dtype, device)
+    if layout is None:  # no cached split: split now (and store it for the role processes)
+        info._split = load_split(model, dtype, device, lambda: loaded.model)
+        layout = (info._split.specs, len(info._split.slices))
+    info.specs, info.num_slices = layout
+    return info
 
 
 def node_capacity(specs: list[AttentionSpec], dtype: torch.dtype, cache: CacheConfig) -> int:
@@ -171,8 +188,9 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                               name=f"memory node {k}")
                 for k, d in enumerate(node_devs)]
         sampler = Sampler()
+        split = info.split  # read here (timed as the split's own stage) when not yet read
         with stage("compute replicas"):
-            replicas = [ComputeReplica(info.split, d.torch, sampler, graph_tokens)
+            replicas = [ComputeReplica(split, d.torch, sampler, graph_tokens)
                         for d in replica_devs]
         polling = make_polling(icfg.device_polling, replica_devs[0].torch,
                                icfg.pipeline.micro_batches, config.scheduler.max_num_batched_tokens)
@@ -198,7 +216,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         try:
             with stage("compute replicas"):
                 worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
-                                        num_slices=len(info.split.slices),
+                                        num_slices=info.num_slices,
                                         transport=icfg.transport, timeline=timeline,
                                         spin_us=spin[:len(replica_devs)],
                                         idle_spin_us=idle_spin)

@@ -44,6 +44,26 @@ def test_second_process_reads_the_stored_split(model, tmp_path):
     assert second is not first and torch.equal(_logits(first), _logits(second))
 
 
+def test_cached_layout_reads_the_specs_without_the_split(model):
+    assert split_cache.cached_layout(model, torch.float32, "cpu") is None  # nothing cached yet
+    split = _split(model, [])
+    specs, num_slices = split_cache.cached_layout(model, torch.float32, "cpu")
+    assert specs == split.specs and num_slices == len(split.slices)
+    assert split_cache.cached_layout(model, torch.bfloat16, "cpu") is None  # another key
+
+
+def test_engine_info_reads_the_split_only_when_used(model):
+    """A warm cache gives the engine the specs from split.json; the split itself (which only
+    in-process replicas run) is read on first use; a cold one splits at once."""
+    from lamina.instance import _load_model_info
+    cold = _load_model_info(model, torch.float32, torch.device("cpu"))
+    assert cold._split is not None and cold.specs == cold.split.specs
+    warm = _load_model_info(model, torch.float32, torch.device("cpu"))
+    assert warm._split is None and (warm.specs, warm.num_slices) == (cold.specs,
+                                                                     cold.num_slices)
+    assert torch.equal(_logits(warm.split), _logits(cold.split)) and warm._split is not None
+
+
 def test_key_follows_files_dtype_and_device(model):
     key = split_cache.split_key(model, torch.float32, "cpu")
     assert key == split_cache.split_key(model, torch.float32, "cpu:0")  # CPU cores share it
