@@ -20,9 +20,9 @@ Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no 
 The main thread receives on the engine's and the nodes' links itself where they are shm rings
 (one native wait over those rings and the inbox, :class:`~lamina.transport.waitset.WaitSet`: a
 RESULT wakes the thread that merges it); every other inbound channel has a reader thread that
-puts messages into the inbox. The main thread files each message under its step and runs every slice whose context
-and attention results have arrived (oldest micro-batch first). A failing node or peer fails every micro-batch
-in flight with an ERROR to the engine; the replica keeps serving (the engine decides the rest).
+puts messages into the inbox. The main thread files each message under its step and runs every
+slice whose context and attention results have arrived (oldest micro-batch first). A failing
+node or peer fails every micro-batch in flight with an ERROR to the engine; the replica keeps serving (the engine decides the rest).
 With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays here has
 its next slice pre-launched once its ATTENDs are sent, behind a device flag its results move.
 """
@@ -223,7 +223,6 @@ class ReplicaServer:
             for ch in [*self.nodes, self.next, self.ctrl]:
                 if ch is not None:
                     ch.close()
-
 
     @staticmethod
     def _name(source: Any) -> str:

@@ -61,8 +61,8 @@ class ModelInfo:
     eos: set[int]
     vocab_size: int | None
     max_model_len: int | None
-    read_split: Callable[[], SplitModel] | None = None  # how to get the split (once)
-    _split: SplitModel | None = None
+    read_split: Callable[[], SplitModel]  # how to get the split (called once, at most)
+    _split: SplitModel | None = None  # the split once read
 
     @property
     def split(self) -> SplitModel:
@@ -96,15 +96,14 @@ def _load_model_info(model: str, dtype: torch.dtype | None, device: torch.device
     def read_split() -> SplitModel:  # holds no model: a cache miss loads it again
         return load_split(model, dtype, device,
                           lambda: load_model(model, dtype=dtype, device=device).model)
-    info = ModelInfo([], 0, dtype, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
-                     getattr(cfg, "vocab_size", None),
-                     getattr(cfg, "max_position_embeddings", None), read_split)
-    layout = cached_layout(model, dtype, device)
+    split, layout = None, cached_layout(model, dtype, device)
     if layout is None:  # no cached split: split now (and store it for the role processes)
-        info._split = load_split(model, dtype, device, lambda: loaded.model)
-        layout = (info._split.specs, len(info._split.slices))
-    info.specs, info.num_slices = layout
-    return info
+        split = load_split(model, dtype, device, lambda: loaded.model)
+        layout = (split.specs, len(split.slices))
+    return ModelInfo(*layout, dtype, loaded.tokenizer,
+                     eos_token_ids(loaded.model, loaded.tokenizer),
+                     getattr(cfg, "vocab_size", None),
+                     getattr(cfg, "max_position_embeddings", None), read_split, split)
 
 
 def node_capacity(specs: list[AttentionSpec], dtype: torch.dtype, cache: CacheConfig) -> int:
