@@ -77,10 +77,11 @@ class Port(Protocol):
 
     def to_engine(self, mb: MicroBatch, tokens: list[int]) -> None: ...
 
-    def await_result(self, node: int, step_id: int, layer: int) -> AttendResult | None:
-        """Node ``node``'s RESULT of ``(step_id, layer)``, waited for right here, by a runner
-        with nothing else to do; None where the port cannot (the RESULT then comes the usual
-        way, :meth:`SliceRunner.on_result`)."""
+    def exchange(self, node: int, msg: AttendMsg) -> tuple[int, AttendResult | None]:
+        """Send ``msg`` to node ``node`` (as :meth:`to_node`) and wait right here for its
+        RESULT, for a runner with nothing else to do: ``(sent_ns, the RESULT)``, or ``(sent_ns,
+        None)`` where the port cannot wait (the RESULT then comes the usual way,
+        :meth:`SliceRunner.on_result`). ``sent_ns``: ``time.perf_counter_ns()`` once sent."""
 
     def failed(self, mb: MicroBatch, error: Exception) -> None:
         """``mb`` failed here (a slice or the sampler raised); the runner has dropped it."""
@@ -180,6 +181,15 @@ class SliceRunner:
                 self._run(mb)
 
     def _run(self, mb: MicroBatch) -> None:
+        got = None  # layer k-1's RESULT, waited for in place (a lone micro-batch, one node)
+        while True:
+            got = self._run_one(mb, got)
+            if got is None:
+                return
+
+    def _run_one(self, mb: MicroBatch, got: AttendResult | None) -> AttendResult | None:
+        """Slice ``mb.k`` (on ``got``, else on the filed results), then its sends; the RESULT of
+        its ATTEND where it was waited for in place (then the next slice runs at once)."""
         k, plan = mb.k, mb.plan
         here = self.replica_of(mb, k)
         replica = self.replicas[here]
@@ -189,7 +199,7 @@ class SliceRunner:
         try:
             o = None
             if k > 0:
-                o = self._merge(mb, here)
+                o = self._merge(mb, here, got)
                 if ahead is None:
                     mb.values[ATTN_OUT] = o
             t1 = time.perf_counter_ns()
@@ -202,7 +212,7 @@ class SliceRunner:
         except Exception as e:  # noqa: BLE001 -- this micro-batch fails; the others go on
             self.drop(mb.step_id)
             self.port.failed(mb, e)
-            return
+            return None
         t2 = time.perf_counter_ns()
         tag = " (landed)" if ahead is not None else ""
         if k > 0 and self.span is not None:
@@ -213,16 +223,29 @@ class SliceRunner:
             del self.mbs[mb.step_id]
             mb.values, mb.sent = None, -1
             self.port.to_engine(mb, tokens)
-            return
+            return None
+        if self.span is not None:
+            self.span("compute", here, f"slice {k}{tag}", t1, t2, mb)
         nxt = self.replica_of(mb, k + 1)
-        msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=self.peer_base + nxt,
-                               parts=self.pipeline.attn_parts)
-        for route, route_msgs in zip(mb.routes, msgs):
-            for m in route_msgs:
-                self.port.to_node(route.node, m)
-        parts = [len(m) for m in msgs]
-        mb.sent, mb.sent_ns = next(self._sent), time.perf_counter_ns()
-        self.waiting[mb.sent] = mb
+        reply_to, got = self.peer_base + nxt, None
+        if nxt == here and len(self.mbs) == 1 and self.polling is None \
+                and len(mb.routes) == 1 and mb.routes[0].span == (0, plan.num_tokens):
+            # one ATTEND of every row, and nothing else can run here before its RESULT: send
+            # it and wait for the RESULT in place
+            parts = [1]
+            sent_ns, got = self.port.exchange(mb.routes[0].node,
+                                              AttendMsg(plan.step_id, k, *qkv, reply_to))
+        else:
+            msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=reply_to,
+                                   parts=self.pipeline.attn_parts)
+            for route, route_msgs in zip(mb.routes, msgs):
+                for m in route_msgs:
+                    self.port.to_node(route.node, m)
+            parts = [len(m) for m in msgs]
+            sent_ns = time.perf_counter_ns()
+        mb.sent, mb.sent_ns = next(self._sent), sent_ns
+        if got is None:
+            self.waiting[mb.sent] = mb
         if nxt in self.replicas:
             mb.values, mb.k, mb.parts = context, k + 1, parts
             if self.polling is not None:
@@ -231,18 +254,16 @@ class SliceRunner:
             mb.values = None
             self.port.to_next(mb, context, parts)
         if self.span is not None:
-            self.span("compute", here, f"slice {k}{tag}", t1, t2, mb)
             self.span("compute", here, "send", t2, mb.sent_ns, mb)
-        if parts == [1] and nxt == here and len(self.mbs) == 1 and self.polling is None:
-            # nothing else can run here before this RESULT: wait for it in place
-            res = self.port.await_result(mb.routes[0].node, plan.step_id, k)
-            if res is not None:
-                self.on_result(mb, 0, res)
+        if got is not None:
+            mb.received_ns = time.perf_counter_ns()
+        return got
 
     # -- internals -------------------------------------------------------------------------------
-    def _merge(self, mb: MicroBatch, here: int) -> torch.Tensor:
-        """Layer ``k-1``'s attention output ``o[T,H,Dv]`` from every node's RESULTs."""
-        results = mb.results.pop(mb.k - 1)
+    def _merge(self, mb: MicroBatch, here: int, got: AttendResult | None) -> torch.Tensor:
+        """Layer ``k-1``'s attention output ``o[T,H,Dv]`` from every node's RESULTs (``got``:
+        the one RESULT of a lone micro-batch, waited for in place; else the filed ones)."""
+        results = mb.results.pop(mb.k - 1) if got is None else [[got]]
         if self.span is not None:
             for route, parts in zip(mb.routes, results):
                 for i, res in enumerate(parts):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,8 @@ class ReplicaServer:
         self.waits = WaitSet(fast, config.idle_spin_us) if fast is not None else None
         self.direct: list[tuple[Any, Any]] = []  # (source, channel) received on here
         self.rings: list[tuple[int, int, int]] = []  # their wait handles
+        self.direct_nodes: dict[int, Any] = {}  # node -> its channel, where received here
+        self.spin = self.waits.spin(WAKE_S) if self.waits is not None else (0, 0)  # exchange's
         polling = make_polling(config.device_polling, replica.device, config.micro_batches,
                                config.max_step_tokens)
         pipeline = PipelineConfig(config.schedule, config.micro_batches, config.replicas,
@@ -169,6 +172,8 @@ class ReplicaServer:
         else:
             self.direct.append((source, ch))
             self.rings.append(handle)
+            if isinstance(source, tuple):
+                self.direct_nodes[source[1]] = ch
 
     def _take(self) -> tuple[Any, Any]:
         """The next ``(source, message or the error that ended its channel)``: the inbox's, or
@@ -197,6 +202,9 @@ class ReplicaServer:
                         return source, e
 
     def _forget(self, i: int) -> None:
+        source = self.direct[i][0]
+        if isinstance(source, tuple):
+            del self.direct_nodes[source[1]]
         del self.direct[i], self.rings[i]
 
     def run(self) -> None:
@@ -329,17 +337,33 @@ class ReplicaServer:
     def to_node(self, node: int, msg: PrepareMsg | AttendMsg) -> None:
         self._send(("node", node), codec.to_message(msg))
 
-    def await_result(self, node: int, step_id: int, layer: int) -> AttendResult | None:
-        """Wait on this thread for node ``node``'s RESULT of ``(step_id, layer)`` on its ring
-        alone (no trip through the main loop). None where this thread does not receive that
-        link itself, or once anything else needs the main loop: a message other than the
-        PREPARE's OK (filed), a post from a reader thread, a wait interval without data, a
-        failing receive (the main loop meets it again)."""
-        source = ("node", node)
-        i = next((j for j, (s, _) in enumerate(self.direct) if s == source), -1)
-        if i < 0:
-            return None
-        ring, ch = [self.rings[i]], self.direct[i][1]
+    def exchange(self, node: int, msg: AttendMsg) -> tuple[int, AttendResult | None]:
+        """Send ``msg`` to node ``node`` and, where this thread receives that link itself, wait
+        here for its RESULT: one native call that sends and takes the reply
+        (:meth:`RingChannel.exchange <lamina.transport.ring.RingChannel.exchange>`), then, if
+        the RESULT is not the next message, :meth:`_await_result`."""
+        ch = self.direct_nodes.get(node)
+        if ch is None or msg.works is not None:
+            self.to_node(node, msg)
+            return time.perf_counter_ns(), None
+        try:
+            sent_ns, got = ch.exchange(MsgKind.ATTEND, msg.step_id, msg.layer, msg.reply_to,
+                                       [msg.q, msg.k, msg.v], MsgKind.RESULT, *self.spin)
+        except (PeerDied, ChannelClosed) as e:
+            self._fail(NodeFailure(f"compute replica {self.cfg.index}: memory node {node} is "
+                                   f"gone: {e}"))
+            raise _Failed from e
+        if got is not None:
+            return sent_ns, codec.result_of(msg.step_id, msg.layer, got)
+        return sent_ns, self._await_result(ch, msg.step_id, msg.layer)
+
+    def _await_result(self, ch, step_id: int, layer: int) -> AttendResult | None:
+        """Wait on this thread for the RESULT of ``(step_id, layer)`` on node link ``ch``'s
+        ring alone (no trip through the main loop). None once anything else needs the main
+        loop: a message other than the PREPARE's OK (filed), a post from a reader thread, a
+        wait interval without data, a failing receive (the main loop meets it again)."""
+        i = next(j for j, (_, c) in enumerate(self.direct) if c is ch)
+        source, ring = self.direct[i][0], [self.rings[i]]
         while self.waits.wait(ring, self.waits.posted, WAKE_S) == 0:
             try:
                 msg = ch.recv()

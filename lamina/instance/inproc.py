@@ -46,8 +46,9 @@ class InProcessReplicas(WorkerClient):
         else:
             self.nodes[node].send_attend(msg)
 
-    def await_result(self, node: int, step_id: int, layer: int) -> None:
-        return None  # the driver's wait takes RESULTs off the nodes
+    def exchange(self, node: int, msg: AttendMsg) -> tuple[int, None]:
+        self.nodes[node].send_attend(msg)
+        return time.perf_counter_ns(), None  # the driver's wait takes RESULTs off the nodes
 
     def to_next(self, mb: MicroBatch, values, parts) -> None:
         raise AssertionError("every replica of an in-process instance runs in this process")

@@ -33,6 +33,7 @@ Contract shared by all backends (tested by ``tests/transport/test_conformance.py
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -74,6 +75,14 @@ class Channel(ABC):
     @abstractmethod
     def closed(self) -> bool:
         """True once :meth:`close` was called on this end."""
+
+    def exchange(self, kind: MsgKind, step_id: int, layer: int, reply_to: int, tensors: list,
+                 reply: MsgKind, spin_ns: int, yield_every: int) -> tuple[int, list | None]:
+        """Send a message and take its reply's tensors if that is the next message
+        (:meth:`RingChannel.exchange`); here: send, and ``(time.perf_counter_ns(), None)``:
+        the reply is :meth:`recv`'s."""
+        self.send(Message(kind, step_id, layer, reply_to, tensors=tensors))
+        return time.perf_counter_ns(), None
 
     def native_tx(self) -> tuple[int, int, int, int, int] | None:
         """The send ring for a native writer (:meth:`RingChannel.native_tx`); None: none."""

@@ -86,6 +86,18 @@ _STATS_FIELDS = ("capacity_slots", "used_slots", "free_slots", "slab_size", "tot
                  "used_slabs", "free_slabs", "num_requests", "attend_us")
 
 
+def result_of(step_id: int, layer: int, tensors: list[torch.Tensor]) -> AttendResult:
+    """The ``AttendResult`` a RESULT's tensors (o, lse[, span]) carry."""
+    if len(tensors) == 3:
+        o, lse, span = tensors
+        if span.dtype != torch.int64 or span.shape != (2,):
+            raise WireError(f"a RESULT's span is int64 [2], got {span.dtype} {tuple(span.shape)}")
+        return AttendResult(step_id, layer, o, lse, tuple(span.tolist()))
+    if len(tensors) != 2:
+        raise WireError(f"RESULT carries 2 or 3 tensors, got {len(tensors)}")
+    return AttendResult(step_id, layer, *tensors)
+
+
 def to_message(obj: Any, kind: MsgKind | None = None) -> Message:
     """Message for a PrepareMsg, AttendMsg, AttendResult, KVChunk (``kind`` KV or IMPORT),
     NodeStats or an exception (an ERROR message)."""
@@ -182,12 +194,7 @@ def from_message(msg: Message) -> Any:
                          works=tuple(_ints(works, "a works range", 2)) if works is not None
                          else None)
     if kind == MsgKind.RESULT:
-        o, lse, *span = _tensors(msg, 3) if len(msg.tensors) == 3 else _tensors(msg, 2)
-        if span and (span[0].dtype != torch.int64 or span[0].shape != (2,)):
-            raise WireError(f"a RESULT's span is int64 [2], got {span[0].dtype} "
-                            f"{tuple(span[0].shape)}")
-        return AttendResult(msg.step_id, msg.layer, o, lse,
-                            tuple(span[0].tolist()) if span else None)
+        return result_of(msg.step_id, msg.layer, msg.tensors)
     if kind in (MsgKind.KV, MsgKind.IMPORT):
         k, v = _tensors(msg, 2)
         return KVChunk(_int(meta, "req_id"), _int(meta, "start_pos"), k, v)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from abc import abstractmethod
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -40,7 +41,7 @@ from typing import Any, Callable, Sequence
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
 from lamina.transport.ring_memory import (HEAD, R_CLOSED, R_WAIT, TAIL, W_CLOSED, W_WAIT, YIELD_EVERY,
                                           Bell, RingMemory, fence, wait_for)
-from lamina.transport.shm_fast import HELD, SENT, SENT_WAKE, STREAM, TAKEN, TAKEN_WAKE
+from lamina.transport.shm_fast import EMPTY, HELD, SENT, SENT_WAKE, STREAM, TAKEN, TAKEN_WAKE
 from lamina.transport.stream import StreamDecoder
 from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError, WireLimits,
                                    decode_kind, decode_meta, encode, encode_meta)
@@ -85,6 +86,11 @@ class RingChannel(Channel):
             self._reader = fast.Reader(rx.ctl_addr, rx.data_addr, rx.capacity, int(rx.ctl[TAIL]),
                                        limits.as_tuple(),  # the decoder's limits, fixed
                                        {int(k): k for k in MsgKind}, Message)
+        self._exchange = None  # the native exchange, bound to this end (fast path, unmirrored)
+        if fast is not None and not tx.mirrored and not rx.mirrored:
+            self._exchange = partial(fast.exchange, self._writer, self._reader,
+                                     getattr(tx.data_bell, "fd", -1), self._sleep_bell,
+                                     self._wake_ns, getattr(rx.space_bell, "fd", -1))
         self._tx_end = self._writer or SimpleNamespace(head=int(tx.ctl[HEAD]))
         self._rx_end = self._reader or SimpleNamespace(tail=int(rx.ctl[TAIL]))
         self._tx_lock = threading.Lock()
@@ -258,6 +264,26 @@ class RingChannel(Channel):
                 else:
                     self._idle(deadline, timeout)  # EMPTY: the spin is spent
             return self._stream_in(deadline, timeout)
+
+    def exchange(self, kind: MsgKind, step_id: int, layer: int, reply_to: int, tensors: list,
+                 reply: MsgKind, spin_ns: int, yield_every: int) -> tuple[int, list | None]:
+        """Send a message without meta (as :meth:`send`) and take its reply if that is the next
+        message to arrive within one wait: kind ``reply``, the same step and layer, no meta.
+        Returns ``(sent_ns, the reply's tensors)``, or ``(sent_ns, None)``: the message is sent,
+        and what comes next (the reply too, once it is here) is :meth:`recv`'s. The wait polls
+        ``spin_ns`` (``yield_every`` as in :class:`~lamina.transport.waitset.WaitSet`), then
+        sleeps as this end's receives do, for one wake interval at most. One native call on the
+        fast path, holding both locks (its caller is this end's only receiver). ``sent_ns``:
+        ``time.perf_counter_ns()`` once the message was in the ring. Raises as :meth:`send`."""
+        if self._exchange is not None:
+            with self._tx_lock, self._rx_lock:
+                if not self._closed and not self._dec.in_progress:
+                    status, sent_ns, got = self._exchange(step_id, layer, reply_to, tensors, kind,
+                                                          reply, spin_ns, yield_every)
+                    if status >= EMPTY:  # sent (EMPTY, STREAM or TAKEN)
+                        return sent_ns, got
+        self.send(Message(kind, step_id, layer, reply_to, tensors=tensors))
+        return time.perf_counter_ns(), None
 
     # ------------------------------------------------------------------ native consumers
 

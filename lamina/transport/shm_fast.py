@@ -13,6 +13,9 @@ Python per message:
   frees its bytes too), so a receiver that is already waiting costs one call; a message with
   meta is handed back as fields and freed by ``commit`` once the meta parsed. Messages up to
   64 KB are copied without dropping the GIL (cheaper than the hand-over);
+* ``exchange``: a request and its reply in one call (``RingChannel.exchange``): a message
+  without meta written as ``Writer.send`` writes it, then a wait for the next message, taken
+  only if it is the reply (its kind, step and layer, no meta), else left in the ring;
 * ``ring_wait``: spins on a control word without the GIL (so a role's other threads run while
   a receiver polls), yielding now and then when asked.
 

@@ -62,6 +62,15 @@ class WaitSet:
         """Count one item handed to the waiter; wake it if it sleeps. Any thread."""
         self._fast.post(self._addr, self._fd)
 
+    def spin(self, timeout_s: float) -> tuple[int, int]:
+        """``(spin_ns, yield_every)`` of a poll that stands for one :meth:`wait` of
+        ``timeout_s`` (:meth:`RingChannel.exchange <lamina.transport.ring.RingChannel.exchange>`):
+        the spin time, or the whole timeout, yielding now and then, for a waiter that polls for
+        good."""
+        if self._forever:
+            return int(timeout_s * 1e9), self._yield_every
+        return self._spin_ns, 0
+
     def wait(self, rings: list[tuple[int, int, int]], seen: int, timeout_s: float) -> int:
         """Until one of ``rings`` (from :meth:`handles`) holds unread bytes (its index), the
         posted count differs from ``seen`` (:data:`POSTED`), or ``timeout_s`` passed

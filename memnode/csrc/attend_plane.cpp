@@ -74,19 +74,6 @@ struct Peer {  // the ring this node writes a replica's RESULTs into
   int bell;       // its data doorbell's fd (-1: none)
 };
 
-inline int64_t now_ns() {  // time.perf_counter_ns's clock
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
-
-inline void ring_bell(int fd) {
-  if (fd < 0) return;
-  const char one = 1;
-  ssize_t n = write(fd, &one, 1);  // EAGAIN: a wake-up is pending anyway
-  (void)n;
-}
-
 // Parses meta that is exactly json.dumps({"works": [a, b]}, separators=(",", ":")).
 bool parse_works(const std::string& meta, int64_t* a, int64_t* b) {
   long long x = 0, y = 0;

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <poll.h>
 #include <sched.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -105,6 +106,19 @@ bool spin(Ready ready, int64_t timeout_ns, int64_t yield_every) {
     if (yield_every > 0 && polls % yield_every == 0) sched_yield();
     if (std::chrono::steady_clock::now() >= end) return ready();
   }
+}
+
+inline int64_t now_ns() {  // time.perf_counter_ns's clock
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+inline void ring_bell(int fd) {  // a doorbell's wake-up (-1: no doorbell)
+  if (fd < 0) return;
+  const char one = 1;
+  ssize_t n = write(fd, &one, 1);  // EAGAIN: a wake-up is pending anyway
+  (void)n;
 }
 
 inline void drain(int fd) {  // a doorbell's (non-blocking FIFO or eventfd) pending wake-ups

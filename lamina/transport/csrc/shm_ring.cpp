@@ -174,18 +174,42 @@ class Reader {
   // committed: commit() once its meta parsed, so a refused message stays in the ring.
   // Tensors are fresh (each owns its memory).
   py::object recv(int64_t spin_ns, int64_t yield_every, int bell, int64_t sleep_ns) {
+    if (!arrive(spin_ns, yield_every, bell, sleep_ns)) return empty_;
+    Header hd;
+    Desc descs[kMaxDescs];
+    const int64_t found = peek(hd, descs);
+    if (found != kTaken) return found == kEmpty ? empty_ : stream_;
+    std::string meta;
+    std::vector<at::Tensor> out = read(hd, descs, meta);
+    py::list tensors(out.size());
+    for (size_t i = 0; i < out.size(); ++i) tensors[i] = py::cast(std::move(out[i]));
+    if (hd.meta_len)
+      return py::make_tuple(kHeld, py::make_tuple(static_cast<int64_t>(hd.kind), hd.step_id,
+                                                  hd.layer, hd.reply_to, py::bytes(meta),
+                                                  std::move(tensors)));
+    py::object msg = message_(kinds_[hd.kind], hd.step_id, hd.layer, hd.reply_to, py::dict(),
+                              std::move(tensors));
+    const int64_t status = commit();  // only once the Message exists
+    return py::make_tuple(status, std::move(msg));
+  }
+
+  // Whether a byte is there to read, waiting as recv() does when none is.
+  bool arrive(int64_t spin_ns, int64_t yield_every, int bell, int64_t sleep_ns) {
     const uint64_t t = static_cast<uint64_t>(tail);
-    if (!spin_until([&] { return ring_.load(kHead) != t; }, spin_ns, yield_every)) {
-      if (bell < 0 || sleep_ns <= 0) return empty_;
-      if (!without_gil([&] { return sleep_until_data(ring_, tail, bell, sleep_ns); }))
-        return empty_;
-    }
+    if (spin_until([&] { return ring_.load(kHead) != t; }, spin_ns, yield_every)) return true;
+    if (bell < 0 || sleep_ns <= 0) return false;
+    return without_gil([&] { return sleep_until_data(ring_, tail, bell, sleep_ns); });
+  }
+
+  // The message at the tail, as this reader takes it: kTaken (whole, well formed, a known kind;
+  // hd and descs filled), kEmpty (not a byte there) or kStream (the Python decoder's business).
+  int64_t peek(Header& hd, Desc* descs) const {
+    const uint64_t t = static_cast<uint64_t>(tail);
     const int64_t avail = static_cast<int64_t>(ring_.load(kHead) - t);
-    if (avail <= 0) return empty_;
+    if (avail <= 0) return kEmpty;
     // A message from the fast path appears whole (one HEAD store): a part of one was streamed
     // by the Python path (too big for the free space) and is decoded by it as it arrives.
-    if (avail < kHeaderBytes) return stream_;
-    Header hd;
+    if (avail < kHeaderBytes) return kStream;
     ring_.get(t, &hd, kHeaderBytes);
     const int64_t total = static_cast<int64_t>(hd.total);
     if (std::memcmp(hd.magic, kMagic, 4) != 0 || hd.version != kVersion ||
@@ -193,11 +217,16 @@ class Reader {
         hd.meta_len > lim_.meta_bytes || total > lim_.message_bytes || total < 0 ||
         total < align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len) ||
         total > ring_.cap || avail < total || hd.kind >= kinds_.size() || !kinds_[hd.kind])
-      return stream_;
-    Desc descs[kMaxDescs];
+      return kStream;
     if (hd.num_tensors) ring_.get(t + kHeaderBytes, descs, hd.num_tensors * kDescBytes);
-    if (!well_formed(hd, descs, lim_)) return stream_;
-    std::string meta(hd.meta_len, '\0');
+    return well_formed(hd, descs, lim_) ? kTaken : kStream;
+  }
+
+  // The peeked message's meta and tensors (fresh, one copy each); commit() then frees it.
+  std::vector<at::Tensor> read(const Header& hd, const Desc* descs, std::string& meta) {
+    const uint64_t t = static_cast<uint64_t>(tail);
+    const int64_t total = static_cast<int64_t>(hd.total);
+    meta.assign(hd.meta_len, '\0');
     std::vector<at::Tensor> out;
     out.reserve(hd.num_tensors);
     {
@@ -216,16 +245,7 @@ class Reader {
       }
     }
     pending_ = tail + total;
-    py::list tensors(out.size());
-    for (size_t i = 0; i < out.size(); ++i) tensors[i] = py::cast(std::move(out[i]));
-    if (hd.meta_len)
-      return py::make_tuple(kHeld, py::make_tuple(static_cast<int64_t>(hd.kind), hd.step_id,
-                                                  hd.layer, hd.reply_to, py::bytes(meta),
-                                                  std::move(tensors)));
-    py::object msg = message_(kinds_[hd.kind], hd.step_id, hd.layer, hd.reply_to, py::dict(),
-                              std::move(tensors));
-    const int64_t status = commit();  // only once the Message exists
-    return py::make_tuple(status, std::move(msg));
+    return out;
   }
 
   // Frees the last message read (stores TAIL past it): kTaken, or kTakenWake when the writer
@@ -246,6 +266,45 @@ class Reader {
   std::vector<py::object> kinds_;   // code -> kind object (empty: not a kind; the slow path)
   int64_t pending_ = 0;             // the tail past the last message read
 };
+
+// A request and its reply in one call (RingChannel.exchange, bound to one channel end with its
+// doorbells up to sleep_ns): sends a message without meta as Writer::send does and, once it is
+// out, waits as Reader::recv does (spin_ns, yield_every; then, with yield_every == 0, a sleep on
+// rx_bell of at most sleep_ns) for the next message, which is taken only if it is the reply:
+// kind reply_kind, the same step and layer, no meta. Doorbells are rung here: tx_bell when the
+// peer sleeps on its data, space_bell when it waits for space. Returns (status, sent_ns,
+// tensors or None): kNoRoom / kIneligible / kPeerClosed: nothing sent (the caller sends the
+// Python way); kEmpty: sent, nothing arrived within the wait; kStream: sent, the next message
+// is recv()'s; kTaken: sent, and the reply's tensors (fresh; its bytes freed). sent_ns: when
+// the message was in the ring (time.perf_counter_ns's clock).
+py::tuple exchange(Writer& w, Reader& r, int tx_bell, int rx_bell, int64_t sleep_ns,
+                   int space_bell, int64_t step_id, int64_t layer, int64_t reply_to,
+                   py::handle tensors, int64_t kind, int64_t reply_kind, int64_t spin_ns,
+                   int64_t yield_every) {
+  int64_t sent = kIneligible;
+  try {
+    sent = w.send(kind, step_id, layer, reply_to, std::string(),
+                  tensors.cast<std::vector<at::Tensor>>());
+  } catch (const py::cast_error&) {
+  } catch (const c10::Error&) {
+  }
+  if (sent != kSent && sent != kSentWake) return py::make_tuple(sent, 0, py::none());
+  const int64_t sent_ns = now_ns();
+  if (sent == kSentWake) ring_bell(tx_bell);
+  if (!r.arrive(spin_ns, yield_every, yield_every > 0 ? -1 : rx_bell, sleep_ns))
+    return py::make_tuple(kEmpty, sent_ns, py::none());
+  Header hd;
+  Desc descs[kMaxDescs];
+  if (r.peek(hd, descs) != kTaken || hd.kind != reply_kind || hd.step_id != step_id ||
+      hd.layer != layer || hd.meta_len)
+    return py::make_tuple(kStream, sent_ns, py::none());
+  std::string meta;
+  std::vector<at::Tensor> out = r.read(hd, descs, meta);
+  if (r.commit() == kTakenWake) ring_bell(space_bell);
+  py::list got(out.size());
+  for (size_t i = 0; i < out.size(); ++i) got[i] = py::cast(std::move(out[i]));
+  return py::make_tuple(kTaken, sent_ns, std::move(got));
+}
 
 // Spins (without the GIL) until ctl[word] - base >= need (signed), for at most timeout_ns;
 // returns whether it came true. yield_every > 0: sched_yield every that many polls, so a
@@ -358,6 +417,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly(
           "tail_addr", [](Reader& r) { return reinterpret_cast<int64_t>(&r.tail); },
           "address of tail, for a native reader that holds the channel's receive lock");
+  m.def("exchange", &exchange,
+        "exchange(writer, reader, tx_bell, rx_bell, sleep_ns, space_bell, step_id, layer, "
+        "reply_to, tensors, kind, reply_kind, spin_ns, yield_every) -> (status, sent_ns, "
+        "tensors | None): NO_ROOM | INELIGIBLE | PEER_CLOSED (nothing sent) | EMPTY | STREAM | "
+        "TAKEN");
   m.def("ring_wait", &ring_wait,
         "ring_wait(ctl, word, base, need, timeout_ns, yield_every) -> ctl[word] - base >= need");
   m.def("post", &post, "post(words_addr, wake_fd): count one posted item; wake a sleeping waiter");
