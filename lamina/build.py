@@ -6,7 +6,7 @@ use (``-O3 -march=native -fopenmp``) into ``$LAMINA_CACHE/torch_extensions/<key>
 (``LAMINA_CACHE`` defaults to ``~/.cache/lamina``). ``<key>`` hashes the sources and their
 folder, the flags, the CPU (model and feature flags from ``/proc/cpuinfo``), the compiler, torch
 and Python, so a cache never serves a binary built for another CPU or toolchain; later
-processes just load it (concurrent builders take turns on an flock in that folder, which a
+processes just load it, without a ninja run (concurrent builders take turns on an flock in that folder, which a
 builder that dies does not leave behind). ``LAMINA_CPP_CFLAGS`` adds flags (e.g.
 ``-mno-avx512f`` to try portable paths). When the build fails (no compiler, no ninja, a compile
 error) :meth:`Extension.load` emits one ``RuntimeWarning`` naming the cause and the fallback,
@@ -15,7 +15,9 @@ and returns ``None``; :meth:`Extension.build_error` keeps the cause.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
+import importlib.util
 import platform
 import shutil
 import subprocess
@@ -39,6 +41,7 @@ def cache_root() -> Path:
     return base / "torch_extensions"
 
 
+@functools.cache
 def _cpu_fingerprint() -> str:
     """CPU model and feature flags (what ``-march=native`` compiles for)."""
     try:
@@ -60,6 +63,7 @@ def compiler() -> str | None:
     return shutil.which(env.text("CXX", "c++"))
 
 
+@functools.cache
 def _compiler_version(cxx: str) -> str:
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True,
@@ -124,6 +128,9 @@ class Extension:
         with open(build_dir / "lamina.flock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
+            built = build_dir / f"{self.name}_{key}.so"
+            if built.is_file():  # the key pins what it was built from: load it, no ninja run
+                return _import(f"{self.name}_{key}", built)
             return cpp_extension.load(name=f"{self.name}_{key}",
                                       sources=[str(s) for s in self.sources],
                                       extra_cflags=list(cflags), extra_ldflags=list(LDFLAGS),
@@ -156,3 +163,15 @@ class Extension:
     def build_error(self) -> str | None:
         """Why the last :meth:`load` with the current flags failed (``None``: it did not)."""
         return self._error.get(extra_cflags())
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    """The extension module ``name`` from its built library (what ``cpp_extension.load`` ends
+    with, without its ninja run and compiler checks)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module

@@ -2,28 +2,27 @@
 
 ``torch.export`` of SmolLM2 takes ~40 s on one core; every process that runs a compute replica
 (the engine's, each ``procs`` replica, each Ray actor) needs the split. :func:`load_split`
-returns it from ``$LAMINA_CACHE/splits/<key>/`` (a :meth:`SplitModel.save` folder, ~14 s to
-read for SmolLM2 in float32) or splits the model and stores it there, written to a temporary
-folder and renamed, so concurrent processes never read half a split.
+returns it from ``$LAMINA_CACHE/splits/<key>/`` (a :meth:`SplitModel.save` folder: the
+slices' source and their weights as safetensors, :mod:`lamina.splitter.folder`) or splits the
+model and stores it there, written to a temporary folder and renamed, so concurrent processes
+never read half a split.
 
 The key pins everything the split depends on: the model's files (path, size and modification
 time of each; for a builtin alias its GGUF; for a ``package.module:function`` factory the
 module's source file), dtype, device, and the versions of torch, transformers and Lamina's
 splitter source. A model whose files cannot be named (a factory without a source file) is not
 cached. ``LAMINA_SPLIT_CACHE=0`` turns the cache off, a path moves it; a folder that cannot be
-read is split again (and replaced). Nothing here is pickled on the data plane: the folder is torch.export's
-format plus a JSON file, read only by this host's own processes.
+read is split again (and replaced). Nothing here is pickled, and nothing is on the data plane: the
+folder is read only by this host's own processes, which run the slices' source as written.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -32,10 +31,12 @@ from lamina import env
 from lamina import splitter
 from lamina.splitter import SplitModel, split_model
 from lamina.splitter.errors import SplitError
+from lamina.splitter.folder import WEIGHTS
 from lamina.stages import stage
 from lamina.types import AttentionSpec
 
 _SPLITTER = Path(splitter.__file__).resolve().parent  # its source is part of the key
+RECORD = "model.json"  # the engine's record of the model (store_record)
 
 
 def split_dir() -> Path | None:
@@ -66,38 +67,74 @@ def split_key(name: str, dtype: torch.dtype, device: torch.device | str) -> str 
     return h.hexdigest()[:24]
 
 
-def _read(folder: Path) -> SplitModel | None:
-    # torch's deserializer logs a warning per unused shape symbol, and warns (torch 2.11) about
-    # the read-only buffer it loads weights from: not the user's business
-    serde = logging.getLogger("torch._export.serde.serialize")
-    level = serde.level
-    serde.setLevel(logging.ERROR)
+def _read(folder: Path, device: torch.device | str) -> SplitModel | None:
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable",
-                                    category=UserWarning)
-            return SplitModel.load(folder)
+        return SplitModel.load(folder, device)
     except SplitError:
         shutil.rmtree(folder, ignore_errors=True)  # unreadable: split again
         return None
-    finally:
-        serde.setLevel(level)
+
+
+def _entry(name: str, dtype: torch.dtype, device: torch.device | str) -> Path | None:
+    """The cache folder of this key (it may not exist), or None (no cache, or not cacheable)."""
+    root = split_dir()
+    key = split_key(name, dtype, device) if root is not None else None
+    return root / key if key is not None else None
 
 
 def cached_layout(name: str, dtype: torch.dtype, device: torch.device | str
                   ) -> tuple[list[AttentionSpec], int] | None:
     """``(attention specs, number of slices)`` of the cached split of ``name``, read from its
     ``split.json`` alone (no program, no weights), or None when there is no cached entry."""
-    root = split_dir()
-    key = split_key(name, dtype, device) if root is not None else None
-    meta = root / key / "split.json" if key is not None else None
-    if meta is None or not (meta.parent / "program.pt2").is_file() or not meta.is_file():
+    entry = _entry(name, dtype, device)
+    if entry is None or not (entry / WEIGHTS).is_file() or not (entry / "split.json").is_file():
         return None
     try:
-        m = json.loads(meta.read_text())
+        m = json.loads((entry / "split.json").read_text())
         return [AttentionSpec(**s) for s in m["specs"]], len(m["infos"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def cached_record(name: str, dtype: torch.dtype, device: torch.device | str
+                  ) -> tuple[dict[str, Any], Any] | None:
+    """What the engine needs of the model besides the split, as :func:`store_record` kept it
+    in the entry: ``(record, tokenizer or None)``; None where there is none (or it does not
+    read), so the caller loads the model."""
+    entry = _entry(name, dtype, device)
+    if entry is None or not (entry / RECORD).is_file():
+        return None
+    try:
+        record = json.loads((entry / RECORD).read_text())
+        tokenizer = None
+        if record.get("tokenizer"):
+            import transformers
+            tokenizer = transformers.AutoTokenizer.from_pretrained(entry / "tokenizer")
+        return record, tokenizer
+    except Exception:  # noqa: BLE001 - an unreadable record: load the model instead
+        return None
+
+
+def store_record(name: str, dtype: torch.dtype, device: torch.device | str,
+                 record: dict[str, Any], tokenizer: Any) -> None:
+    """Keep ``record`` (plain JSON data) and ``tokenizer`` (saved with ``save_pretrained``) in
+    the entry of the cached split, so a later engine needs no model load; nothing where the
+    split is not cached (or the disk refuses)."""
+    entry = _entry(name, dtype, device)
+    if entry is None or not (entry / "split.json").is_file():
+        return
+    tmp = entry / f"tokenizer.tmp{os.getpid()}"
+    try:
+        if tokenizer is not None and not (entry / "tokenizer").is_dir():
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, entry / "tokenizer")
+        data = json.dumps({**record, "tokenizer": tokenizer is not None})
+        (entry / f"{RECORD}.tmp{os.getpid()}").write_text(data)
+        os.replace(entry / f"{RECORD}.tmp{os.getpid()}", entry / RECORD)
+    except OSError:
+        pass  # a full disk or a lost race: the next engine loads the model
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _split(load: Callable[[], torch.nn.Module]) -> SplitModel:
@@ -110,14 +147,13 @@ def load_split(name: str, dtype: torch.dtype, device: torch.device | str,
                load: Callable[[], torch.nn.Module]) -> SplitModel:
     """The split of model ``name`` in ``dtype`` on ``device``: from the cache, else
     ``split_model(load())``, stored for the next process. ``load`` is called only on a miss."""
-    root = split_dir()
-    key = split_key(name, dtype, device) if root is not None else None
-    if key is None:
+    folder = _entry(name, dtype, device)
+    if folder is None:
         return _split(load)
-    folder = root / key
+    key = folder.name
     if (folder / "split.json").is_file():
         with stage("split: read cache"):
-            split = _read(folder)
+            split = _read(folder, device)
         if split is not None:
             return split
     split = _split(load)

@@ -17,6 +17,9 @@ def draw_split(sm, path: str | Path, max_slices: int = 8) -> Path:
     import matplotlib.pyplot as plt
 
     part = sm.partition
+    if sm.graph is None:
+        raise ValueError("drawing needs the split's graph, which a split read back from a "
+                         "folder does not keep: draw a fresh split (lamina split MODEL --draw)")
     g = to_digraph(sm.graph, part.bytes_per_token)
     keep = [n for n, k in part.slice_of.items() if k < max_slices]
     sub = g.subgraph(keep).copy()

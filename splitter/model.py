@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from lamina.splitter.errors import SplitError
 from lamina.splitter.export import export_program, unlift
+from lamina.splitter.folder import FORMAT, load_slices, save_slices
 from lamina.splitter.graph import Partition, partition
 from lamina.splitter.reference import ReferenceKV
 from lamina.splitter.slices import ATTN_OUT, SliceInfo, build_slices
@@ -38,16 +39,30 @@ def specs_from_graph(gm: fx.GraphModule, part: Partition) -> list[AttentionSpec]
 class SplitModel:
     """n+1 slices and n AttentionSpecs. ``slices[k]`` takes the inputs named in
     ``infos[k].inputs`` and returns the values named in ``infos[k].outputs`` (see
-    :mod:`lamina.splitter.slices`). ``source`` is the original module, kept for ``verify()``."""
+    :mod:`lamina.splitter.slices`). ``source`` is the original module, kept for ``verify()``;
+    ``program`` the exported program it was cut from and ``graph`` its unlifted graph (both
+    None once read back from a folder)."""
 
-    def __init__(self, program: torch.export.ExportedProgram, part: Partition,
-                 source: torch.nn.Module | None = None, graph: fx.GraphModule | None = None):
-        self.program = program
-        self.graph = graph if graph is not None else unlift(program)
+    def __init__(self, slices: list[fx.GraphModule], infos: list[SliceInfo],
+                 specs: list[AttentionSpec], part: Partition, *,
+                 program: torch.export.ExportedProgram | None = None,
+                 graph: fx.GraphModule | None = None, source: torch.nn.Module | None = None):
+        self.slices, self.infos, self.specs = slices, infos, specs
         self.partition = part
-        self.slices, self.infos = build_slices(self.graph, part)
-        self.specs = specs_from_graph(self.graph, part)
+        self.program, self.graph = program, graph
         self.source = source
+
+    @classmethod
+    def from_program(cls, program: torch.export.ExportedProgram, part: Partition | None = None,
+                     source: torch.nn.Module | None = None,
+                     graph: fx.GraphModule | None = None) -> "SplitModel":
+        """Cut ``program`` (its unlifted ``graph``, if made already) at ``part`` (None: at
+        every attention)."""
+        graph = graph if graph is not None else unlift(program)
+        part = part if part is not None else partition(graph)
+        slices, infos = build_slices(graph, part)
+        return cls(slices, infos, specs_from_graph(graph, part), part, program=program,
+                   graph=graph, source=source)
 
     @property
     def num_layers(self) -> int:
@@ -114,38 +129,45 @@ class SplitModel:
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, folder: str | Path) -> Path:
-        """Write ``program.pt2`` (torch.export format, weights included) and ``split.json``."""
+        """Write the folder :mod:`lamina.splitter.folder` describes (the slices' source, their
+        weights as safetensors, ``split.json``)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        torch.export.save(self.program, folder / "program.pt2")
-        meta = {"format": 1, "slice_of": self.partition.slice_of,
+        records = save_slices(folder, self.slices)
+        meta = {"format": FORMAT, "slice_of": self.partition.slice_of,
                 "contexts": self.partition.contexts, "attentions": self.partition.attentions,
                 "replicated": sorted(self.partition.replicated),
                 "bytes_per_token": self.partition.bytes_per_token,
-                "specs": [asdict(s) for s in self.specs], "infos": [asdict(i) for i in self.infos]}
+                "specs": [asdict(s) for s in self.specs], "infos": [asdict(i) for i in self.infos],
+                "slices": records}
         (folder / "split.json").write_text(json.dumps(meta, indent=1))
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path) -> "SplitModel":
+    def load(cls, folder: str | Path, device: torch.device | str = "cpu") -> "SplitModel":
+        """Read a folder :meth:`save` wrote, its weights onto ``device``."""
         folder = Path(folder)
-        prog, meta_path = folder / "program.pt2", folder / "split.json"
-        for p in (prog, meta_path):
-            if not p.is_file():
-                raise SplitError(f"{p}: missing (not a saved SplitModel folder)")
+        meta_path = folder / "split.json"
+        if not meta_path.is_file():
+            raise SplitError(f"{meta_path}: missing (not a saved SplitModel folder)")
         try:
             meta = json.loads(meta_path.read_text())
-            program = torch.export.load(prog)
-        except Exception as e:
+            if meta.get("format") != FORMAT:
+                raise SplitError(f"format {meta.get('format')!r}, this version reads {FORMAT}")
+            part = Partition(slice_of=meta["slice_of"], contexts=meta["contexts"],
+                             attentions=meta["attentions"], replicated=set(meta["replicated"]),
+                             bytes_per_token=meta["bytes_per_token"])
+            specs = [AttentionSpec(**s) for s in meta["specs"]]
+            infos = [SliceInfo(**i) for i in meta["infos"]]
+            slices = load_slices(folder, meta["slices"], device)
+        except SplitError as e:
             raise SplitError(f"{folder}: cannot read saved SplitModel: {e}") from e
-        part = Partition(slice_of=meta["slice_of"], contexts=meta["contexts"],
-                         attentions=meta["attentions"], replicated=set(meta["replicated"]),
-                         bytes_per_token=meta["bytes_per_token"])
-        return cls(program, part)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SplitError(f"{folder}: cannot read saved SplitModel: {e}") from e
+        return cls(slices, infos, specs, part)
 
 
 def split_model(model: torch.nn.Module) -> SplitModel:
     """Export ``model`` and cut it at every attention."""
     program = export_program(model)
-    gm = unlift(program)
-    return SplitModel(program, partition(gm), source=model, graph=gm)
+    return SplitModel.from_program(program, source=model, graph=unlift(program))

@@ -33,8 +33,8 @@ from lamina.engine.engine import Engine
 from lamina.instance.inproc import InProcessReplicas
 from lamina.instance.launcher import Launcher
 from lamina.memnode import KVPool, MemoryNode
-from lamina.models import eos_token_ids, load_model
-from lamina.split_cache import cached_layout, load_split
+from lamina.models import default_dtype, eos_token_ids, load_model
+from lamina.split_cache import cached_layout, cached_record, load_split, store_record
 from lamina.stages import stage
 from lamina.splitter import SplitModel
 from lamina.timeline import Timeline
@@ -88,22 +88,33 @@ def load_model_info(config: DeploymentConfig) -> ModelInfo:
 
 
 def _load_model_info(model: str, dtype: torch.dtype | None, device: torch.device) -> ModelInfo:
-    with stage("load model"):
-        loaded = load_model(model, dtype=dtype, device=device)
-    cfg = getattr(loaded.model, "config", None)
-    dtype = loaded.dtype
+    """From the split cache alone where it holds the split and the engine's record of the model
+    (no model load, no split read); else load the model, split it if needed, and keep the
+    record for the next engine."""
+    dtype = dtype or default_dtype(device)
 
     def read_split() -> SplitModel:  # holds no model: a cache miss loads it again
         return load_split(model, dtype, device,
                           lambda: load_model(model, dtype=dtype, device=device).model)
-    split, layout = None, cached_layout(model, dtype, device)
+    layout = cached_layout(model, dtype, device)
+    cached = cached_record(model, dtype, device) if layout is not None else None
+    if cached is not None:
+        (r, tokenizer) = cached
+        return ModelInfo(*layout, dtype, tokenizer, set(r["eos"]), r["vocab_size"],
+                         r["max_model_len"], read_split)
+    with stage("load model"):
+        loaded = load_model(model, dtype=dtype, device=device)
+    cfg = getattr(loaded.model, "config", None)
+    split = None
     if layout is None:  # no cached split: split now (and store it for the role processes)
         split = load_split(model, dtype, device, lambda: loaded.model)
         layout = (split.specs, len(split.slices))
-    return ModelInfo(*layout, dtype, loaded.tokenizer,
-                     eos_token_ids(loaded.model, loaded.tokenizer),
-                     getattr(cfg, "vocab_size", None),
-                     getattr(cfg, "max_position_embeddings", None), read_split, split)
+    record = {"eos": sorted(eos_token_ids(loaded.model, loaded.tokenizer)),
+              "vocab_size": getattr(cfg, "vocab_size", None),
+              "max_model_len": getattr(cfg, "max_position_embeddings", None)}
+    store_record(model, dtype, device, record, loaded.tokenizer)
+    return ModelInfo(*layout, dtype, loaded.tokenizer, set(record["eos"]), record["vocab_size"],
+                     record["max_model_len"], read_split, split)
 
 
 def node_capacity(specs: list[AttentionSpec], dtype: torch.dtype, cache: CacheConfig) -> int:
@@ -196,15 +207,19 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline, polling)
         closers: list[Callable[[], None]] = [worker.close]
     else:
-        from lamina.instance.procs import RemoteReplicas, start_memory_nodes, stop_roles
+        from lamina.instance.procs import (RemoteReplicas, node_clients, spawn_memory_nodes,
+                                           stop_roles)
         spin, idle_spin = receiver_spin(replica_devs, node_devs,
                                         config.instances == 1 and icfg.spin)
-        with stage("memory nodes"):
-            nodes = start_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
-                                       slab_size=config.cache.slab_size,
-                                       transport=icfg.transport, num_threads=icfg.num_threads,
-                                       spin_us=spin[len(replica_devs):], kernels=icfg.kernels)
-        closers = [lambda: stop_roles([n.process for n in nodes], [n.ch for n in nodes])]
+        starting = spawn_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
+                                      slab_size=config.cache.slab_size,
+                                      transport=icfg.transport, num_threads=icfg.num_threads,
+                                      spin_us=spin[len(replica_devs):], kernels=icfg.kernels)
+        nodes: list = []
+
+        def nodes_ready() -> list:  # called by RemoteReplicas once its replicas are spawned
+            nodes.extend(node_clients(*starting.ready()))
+            return nodes
         template = ReplicaConfig(config.model.model, replica_devs[0].torch,
                                  dtype_name(info.dtype), 0, 1, "none",
                                  num_threads=icfg.num_threads, peer_base=inst_id * PEER_STRIDE,
@@ -213,16 +228,17 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                                  max_step_tokens=config.scheduler.max_num_batched_tokens,
                                  kernels=asdict(icfg.kernels))
         try:
-            with stage("compute replicas"):
-                worker = RemoteReplicas(launcher, template, nodes, icfg.pipeline, replica_devs,
-                                        num_slices=info.num_slices,
+            with stage("roles"):  # nodes and replicas start side by side
+                worker = RemoteReplicas(launcher, template, nodes_ready, icfg.pipeline,
+                                        replica_devs, num_slices=info.num_slices,
                                         transport=icfg.transport, timeline=timeline,
                                         spin_us=spin[:len(replica_devs)],
                                         idle_spin_us=idle_spin)
         except BaseException:
-            closers[0]()
+            starting.stop()
             raise
-        closers.insert(0, worker.close)  # replicas stop before the nodes
+        # replicas stop before the nodes
+        closers = [worker.close, lambda: stop_roles(starting.handles, starting.channels)]
     scheduler = config.scheduler
     if scheduler.max_model_len is None:
         scheduler = type(scheduler)(scheduler.max_num_seqs, scheduler.max_num_batched_tokens,

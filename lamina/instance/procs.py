@@ -2,9 +2,10 @@
 engine's :class:`RemoteReplicas` worker that runs staggered pipelining across them. The servers are :mod:`lamina.memnode.server` and :mod:`lamina.computenode.server`; where
 they run is the launcher's business (:mod:`lamina.instance.launcher`).
 
-Start-up, written once for both roles (:func:`start_roles`): the engine opens a control channel
+Start-up, written once for both roles (:func:`spawn_roles`): the engine opens a control channel
 per role, the launcher starts the role with its endpoint and config, and every role must answer
-a PING within ``START_TIMEOUT_S``; any failure stops whatever was started.
+a PING within ``START_TIMEOUT_S`` (:meth:`Starting.ready`); memory nodes and replicas start side
+by side; any failure stops whatever was started.
 
 Wiring of ``N`` replicas (each loads and splits the model itself): every memory node opens one
 peer channel per replica (OPEN on the node's primary channel; the replica joins it with
@@ -25,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
@@ -53,38 +54,61 @@ from lamina.types import AttentionSpec, NodeStats, SamplingParams, StepPlan
 CONTROL_STEP = -1  # step id of control requests sent while steps are in flight
 
 
-def start_roles(launcher: Launcher, target: Callable[..., Any], configs: list[dict], *,
-                role: str, device: str, transport: str) -> tuple[list[RoleHandle], list]:
-    """Start one ``role`` (``compute`` or ``memory``) per config and wait until each answers
-    a PING; returns their handles and the engine's control channels to them. On any failure
-    every role started is stopped and the error propagates."""
-    handles: list[RoleHandle] = []
-    channels: list = []
-    started: list[float] = []
+@dataclass
+class Starting:
+    """Roles spawned and not yet known to be up (:func:`spawn_roles`): :meth:`ready` waits for
+    each one's PING reply; :meth:`stop` stops every one started (idempotent)."""
+
+    handles: list[RoleHandle]
+    channels: list
+    started: list[float]
+    role: str
+
+    def ready(self) -> tuple[list[RoleHandle], list]:
+        """Wait until each role answers a PING; its handles and the engine's control channels
+        to them. On any failure every role started is stopped and the error propagates."""
+        label = "memory node" if self.role == "memory" else "replica"
+        try:
+            for i, ch in enumerate(self.channels):
+                try:
+                    ch.send(codec.ping())
+                    reply = codec.raise_if_error(ch.recv(START_TIMEOUT_S))
+                    add_role(f"{label} {i}", time.perf_counter() - self.started[i],
+                             reply.meta.get("stages", {}))
+                except (PeerDied, ChannelClosed, TimeoutError) as e:
+                    if getattr(self.handles[i], "exitcode", None) == UNGUARDED_MAIN_EXIT:
+                        raise RuntimeError(UNGUARDED_MAIN) from None
+                    raise NodeFailure(f"{self.role} role {i} did not start: {e}") from e
+        except BaseException:
+            self.stop()
+            raise
+        return self.handles, self.channels
+
+    def stop(self) -> None:
+        stop_roles(self.handles, self.channels)
+
+
+def spawn_roles(launcher: Launcher, target: Callable[..., Any], configs: list[dict], *,
+                role: str, device: str, transport: str) -> Starting:
+    """Start one ``role`` (``compute`` or ``memory``) per config, without waiting for them
+    (several kinds of role start side by side; :meth:`Starting.ready` waits). On a failure to
+    start one, every role started is stopped and the error propagates."""
+    starting = Starting([], [], [], role)
     label = "memory node" if role == "memory" else "replica"
     try:
         for i, cfg in enumerate(configs):
             lst = listen(*launcher.control_link(transport))
-            started.append(time.perf_counter())
-            handles.append(launcher.start(target, (lst.endpoint, cfg), f"lamina: {label} {i}",
-                                          role=role, device=device))
+            starting.started.append(time.perf_counter())
+            starting.handles.append(launcher.start(target, (lst.endpoint, cfg),
+                                                   f"lamina: {label} {i}", role=role,
+                                                   device=device))
             ch = lst.channel()
-            ch.set_peer_alive(handles[-1].is_alive)
-            channels.append(ch)
-        for i, ch in enumerate(channels):
-            try:
-                ch.send(codec.ping())
-                reply = codec.raise_if_error(ch.recv(START_TIMEOUT_S))
-                add_role(f"{label} {i}", time.perf_counter() - started[i],
-                         reply.meta.get("stages", {}))
-            except (PeerDied, ChannelClosed, TimeoutError) as e:
-                if getattr(handles[i], "exitcode", None) == UNGUARDED_MAIN_EXIT:
-                    raise RuntimeError(UNGUARDED_MAIN) from None
-                raise NodeFailure(f"{role} role {i} did not start: {e}") from e
+            ch.set_peer_alive(starting.handles[-1].is_alive)
+            starting.channels.append(ch)
     except BaseException:
-        stop_roles(handles, channels)
+        starting.stop()
         raise
-    return handles, channels
+    return starting
 
 
 def stop_roles(handles: list[RoleHandle], channels: list) -> None:
@@ -101,21 +125,26 @@ def stop_roles(handles: list[RoleHandle], channels: list) -> None:
         ch.close()
 
 
-def start_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: list[Device],
+def spawn_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: list[Device],
                        capacity: int, *, dtype: torch.dtype, slab_size: int, transport: str,
                        num_threads: int = 1, spin_us: list[float] | None = None,
-                       kernels: KernelConfig | None = None) -> list[RemoteNode]:
-    """One memory-node server of ``capacity`` slots per device (each pins itself to its
-    device's cores and computes with ``kernels``); the engine's clients of them
-    (``client.process`` is the role's handle; the caller stops it)."""
+                       kernels: KernelConfig | None = None) -> Starting:
+    """Spawn one memory-node server of ``capacity`` slots per device (each pins itself to its
+    device's cores and computes with ``kernels``); :func:`node_clients` of what
+    :meth:`Starting.ready` returns are the engine's clients of them."""
     spin_us = spin_us or [SPIN_US] * len(devices)
     configs = [asdict(node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
                                   list(d.cores) if d.cores else None, sp, kernels))
                for d, sp in zip(devices, spin_us)]
-    handles, channels = start_roles(launcher, serve_node, configs, role="memory",
-                                    device=devices[0].torch, transport=transport)
-    return [RemoteNode(ch, h, f"memory node {i}")
-            for i, (h, ch) in enumerate(zip(handles, channels))]
+    return spawn_roles(launcher, serve_node, configs, role="memory", device=devices[0].torch,
+                       transport=transport)
+
+
+def node_clients(handles: list[RoleHandle], channels: list) -> list[RemoteNode]:
+    """The engine's clients of started memory nodes (``client.process``: the role's handle;
+    the caller stops it)."""
+    return [RemoteNode(ch, h, f"memory node {i}") for i, (h, ch) in enumerate(zip(handles,
+                                                                                   channels))]
 
 
 class RemoteReplicas(WorkerClient):
@@ -126,13 +155,14 @@ class RemoteReplicas(WorkerClient):
     receivers poll ``spin_us[i]`` before sleeping (its main thread ``idle_spin_us[i]``);
     :meth:`close` stops the replicas."""
 
-    def __init__(self, launcher: Launcher, replica: ReplicaConfig, nodes: list[RemoteNode],
+    def __init__(self, launcher: Launcher, replica: ReplicaConfig,
+                 nodes: list[RemoteNode] | Callable[[], list[RemoteNode]],
                  config: PipelineConfig, devices: list[Device], *, num_slices: int,
                  transport: str = "auto", timeline: Timeline | None = None,
                  spin_us: list[float] | None = None, idle_spin_us: list[float] | None = None):
         self.config = config
         self.micro_batches = config.micro_batches
-        self.nodes = list(nodes)  # own pool's nodes, then attached (borrowed) ones
+        self.nodes: list[RemoteNode] = []  # own pool's nodes, then attached (borrowed) ones
         self.num_slices = num_slices
         self.timeline = timeline
         self.transport = transport
@@ -155,8 +185,14 @@ class RemoteReplicas(WorkerClient):
                                            "idle_spin_us": (idle_spin_us[i] if idle_spin_us
                                                             else SPIN_US)}))
                    for i, d in enumerate(devices)]
-        self.procs, self.channels = start_roles(launcher, serve_replica, configs, role="compute",
-                                                device=replica.device, transport=transport)
+        starting = spawn_roles(launcher, serve_replica, configs, role="compute",
+                               device=replica.device, transport=transport)
+        try:  # the nodes (when still starting: side by side with the replicas), then these
+            self.nodes = list(nodes() if callable(nodes) else nodes)
+            self.procs, self.channels = starting.ready()
+        except BaseException:
+            starting.stop()
+            raise
         try:
             self._wire()
         except BaseException:

@@ -188,6 +188,19 @@ def test_a_lock_left_by_a_dead_builder_does_not_hang_loads():
     assert not stale.exists()
 
 
+def test_a_built_extension_loads_without_a_build_step(monkeypatch):
+    """Once built, an extension is imported from its library: torch's build (ninja, compiler
+    checks: ~0.5 s a process) is not run again."""
+    from torch.utils import cpp_extension
+
+    from lamina.build import Extension
+    assert cpp_ext.load() is not None  # built
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("built again"))
+    ext = cpp_ext.EXTENSION
+    fresh = Extension(ext.name, ext.sources, ext.headers)
+    assert fresh.load() is cpp_ext.load()
+
+
 def test_read_kv_rows_reads_exactly_the_indexed_rows():
     """The kernel bench's read ceiling folds every indexed K and V row (max), and only those."""
     ext = cpp_ext.load()

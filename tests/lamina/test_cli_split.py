@@ -21,7 +21,7 @@ def test_split_factory_check_out_draw(tmp_path, capsys, monkeypatch):
     diff = float(out.split("max |diff| = ")[1].split()[0])
     assert diff < 1e-5
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "s" / "program.pt2").is_file() and (tmp_path / "s" / "split.json").is_file()
+    assert (tmp_path / "s" / "weights.safetensors").is_file() and (tmp_path / "s" / "split.json").is_file()
 
 
 def test_split_bad_path_is_a_clear_error(tmp_path, capsys):

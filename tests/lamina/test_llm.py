@@ -111,7 +111,7 @@ def test_role_processes_compute_with_their_instance_kernels(folder):
     with LLM(folder, kv_cache_tokens=64, placement="procs", memory=1,
              kernels=KernelConfig(attention="ref", linear="torch", ring="python")) as llm:
         started = stages.take()  # each role's start, with its own stages (lamina.stages)
-        assert {"memory nodes", "compute replicas", "replica 0: start",
+        assert {"roles", "replica 0: start", "memory node 0: start",
                 "memory node 0: build node", "replica 0: replica"} <= set(started)
         node = llm.deployment.instances[0].nodes[0]
         assert node.ch._writer is None  # the engine's ring to the node: the Python codec

@@ -38,7 +38,7 @@ def test_second_process_reads_the_stored_split(model, tmp_path):
     calls = []
     first = _split(model, calls)
     entries = list((tmp_path / "splits").iterdir())
-    assert len(entries) == 1 and (entries[0] / "program.pt2").is_file()
+    assert len(entries) == 1 and (entries[0] / "weights.safetensors").is_file()
     second = _split(model, calls)
     assert calls == [model]  # the model was loaded and exported once
     assert second is not first and torch.equal(_logits(first), _logits(second))
@@ -62,6 +62,28 @@ def test_engine_info_reads_the_split_only_when_used(model):
     assert warm._split is None and (warm.specs, warm.num_slices) == (cold.specs,
                                                                      cold.num_slices)
     assert torch.equal(_logits(warm.split), _logits(cold.split)) and warm._split is not None
+
+
+def test_a_warm_engine_needs_no_model_load(model, monkeypatch):
+    """The first engine keeps its record of the model (stop ids, limits, tokenizer) in the
+    cache entry; the next one starts from it and the split's layout without loading the
+    model."""
+    import tokenizers
+    import transformers
+
+    from lamina import instance
+    vocab = {f"w{i}": i for i in range(95)} | {"[UNK]": 95}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w7")
+    tok.save_pretrained(model)
+    cold = instance._load_model_info(model, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(instance, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    warm = instance._load_model_info(model, torch.float32, torch.device("cpu"))
+    assert (warm.eos, warm.vocab_size, warm.max_model_len, warm.dtype) == \
+        (cold.eos, cold.vocab_size, cold.max_model_len, cold.dtype)
+    assert warm.tokenizer("w3 w9 w7")["input_ids"] == cold.tokenizer("w3 w9 w7")["input_ids"]
+    assert warm.tokenizer.eos_token_id == 7
 
 
 def test_key_follows_files_dtype_and_device(model):
@@ -94,8 +116,8 @@ def test_unreadable_entry_is_split_again_and_replaced(model, tmp_path):
     calls = []
     _split(model, calls)
     (entry,) = (tmp_path / "splits").iterdir()
-    (entry / "program.pt2").write_bytes(b"not a program")
+    (entry / "weights.safetensors").write_bytes(b"not weights")
     again = _split(model, calls)
     assert calls == [model, model]
-    assert (entry / "program.pt2").stat().st_size > 100  # stored afresh
+    assert (entry / "weights.safetensors").stat().st_size > 100  # stored afresh
     assert _logits(again).shape[-1] > 0
