@@ -5,7 +5,8 @@
 returns it from ``$LAMINA_CACHE/splits/<key>/`` (a :meth:`SplitModel.save` folder: the
 slices' source and their weights as safetensors, :mod:`lamina.splitter.folder`) or splits the
 model and stores it there, written to a temporary folder and renamed, so concurrent processes
-never read half a split.
+never read half a split. The entry also keeps the engine's record of the model
+(:func:`store_record`: stop ids, limits, tokenizer), so a warm engine loads no model.
 
 The key pins everything the split depends on: the model's files (path, size and modification
 time of each; for a builtin alias its GGUF; for a ``package.module:function`` factory the
@@ -131,8 +132,8 @@ def store_record(name: str, dtype: torch.dtype, device: torch.device | str,
         data = json.dumps({**record, "tokenizer": tokenizer is not None})
         (entry / f"{RECORD}.tmp{os.getpid()}").write_text(data)
         os.replace(entry / f"{RECORD}.tmp{os.getpid()}", entry / RECORD)
-    except OSError:
-        pass  # a full disk or a lost race: the next engine loads the model
+    except Exception:  # noqa: BLE001 - a full disk, a lost race, a tokenizer that will not save:
+        pass  # the next engine loads the model
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -7,7 +7,7 @@ borrowing, :mod:`lamina.deployment`). ``--compute N`` runs rotational staggered 
 with ``N + 1`` micro-batches unless told otherwise.
 
 Start-up shows progress while the model loads and the roles come up, then prints one
-readiness line with the URL. SIGINT/SIGTERM stop the server, every role and (when we started
+readiness line with the URL, and one with the start's seconds and each role's (spawn to ready). SIGINT/SIGTERM stop the server, every role and (when we started
 it) Ray: nothing is left behind.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 from tqdm import tqdm
 
+from lamina import stages
 from lamina.cli_args import add_deployment_args, config_from_args
 from lamina.config import ServerConfig
 from lamina.proctitle import set_title
@@ -34,6 +35,7 @@ def run_launch(args: argparse.Namespace) -> int:
     from lamina.server.async_engine import AsyncEngine
 
     set_title("lamina: server")
+    started = time.perf_counter()
     bar = tqdm(desc="lamina launch", unit="stage", file=sys.stderr,
                bar_format="{desc}: {n} {postfix}")
 
@@ -46,6 +48,7 @@ def run_launch(args: argparse.Namespace) -> int:
         server_cfg = ServerConfig(args.host, args.port, args.api_key, args.served_model_name,
                                   args.max_queued_requests)
         deployment = start_deployment(config, progress=progress)
+        seconds, roles = time.perf_counter() - started, stages.roles_ready(stages.take())
     except (ValueError, ModelLoadError) as e:
         bar.close()
         print(f"error: {e}", file=sys.stderr)
@@ -73,6 +76,8 @@ def run_launch(args: argparse.Namespace) -> int:
                       f"x{icfg.pipeline.micro_batches}, borrowing "
                       f"{'on' if deployment.borrowing else 'off'}, transport {icfg.transport})",
                       flush=True)
+                print(f"Started in {seconds:.1f} s" + (f"; roles ready in: {roles}" if roles
+                                                        else ""), flush=True)
 
         threading.Thread(target=announce, daemon=True).start()
         # uvicorn re-raises the signal that stopped it once it has shut down; with these

@@ -26,6 +26,14 @@ def test_a_roles_record_is_filed_under_its_name():
                              "replica 1: replica": 1.5, "replica 1: start, other": 1.5}
 
 
+def test_roles_ready_lists_each_roles_start():
+    stages.take()
+    stages.add_role("memory node 0", 2.04, {"build node": 1.0})
+    stages.add_role("replica 0", 3.91, {})
+    assert stages.roles_ready(stages.take()) == "memory node 0 2.0 s, replica 0 3.9 s"
+    assert stages.roles_ready({"load model": 3.0}) == ""  # in process: no role process
+
+
 def test_a_nodes_first_ping_reply_carries_its_stages():
     import torch
 
