@@ -229,12 +229,13 @@ class SliceRunner:
         nxt = self.replica_of(mb, k + 1)
         reply_to, got = self.peer_base + nxt, None
         if nxt == here and len(self.mbs) == 1 and self.polling is None \
-                and len(mb.routes) == 1 and mb.routes[0].span == (0, plan.num_tokens):
+                and len(mb.routes) == 1 and (route := mb.routes[0]).span == (0, plan.num_tokens) \
+                and (self.pipeline.attn_parts <= 1 or len(route.works) == 1):
             # one ATTEND of every row, and nothing else can run here before its RESULT: send
             # it and wait for the RESULT in place
             parts = [1]
-            sent_ns, got = self.port.exchange(mb.routes[0].node,
-                                              AttendMsg(plan.step_id, k, *qkv, reply_to))
+            sent_ns, got = self.port.exchange(route.node, AttendMsg(plan.step_id, k, *qkv,
+                                                                    reply_to))
         else:
             msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=reply_to,
                                    parts=self.pipeline.attn_parts)
