@@ -78,7 +78,8 @@ class Deployment(KVMoves):
         self.config = config
         self.launcher = launcher  # closed last (a Ray launcher may own Ray)
         self.restart = restart  # inst_id -> a fresh instance (None: failures are final)
-        self.recoveries = 0
+        self.recoveries = 0  # instances restarted so far (after a role died)
+        self.recovering = 0  # instances being restarted now (read by /health from another thread)
         self.recomputed_tokens = 0  # tokens whose KV was recomputed after a recovery
         self.slab = config.cache.slab_size
         self.borrowing = config.lends
@@ -191,7 +192,7 @@ class Deployment(KVMoves):
             if inst.failed is None or inst.retry_at > time.monotonic():
                 continue
             try:
-                new = self.restart(inst.inst_id)
+                new = self._restart(inst.inst_id)
             except Exception as e:  # noqa: BLE001 - still no capacity: try again later
                 inst.retry_at = time.monotonic() + REVIVE_S
                 log.warning("instance %d still cannot be restarted: %s", inst.inst_id, e)
@@ -213,7 +214,7 @@ class Deployment(KVMoves):
             del self.loans[key]
         inst.close()
         try:
-            new = self.restart(inst.inst_id)
+            new = self._restart(inst.inst_id)
         except Exception as e:  # noqa: BLE001 - capacity really is gone: fail its requests
             log.error("instance %d could not be restarted: %s", inst.inst_id, e)
             return False
@@ -228,6 +229,14 @@ class Deployment(KVMoves):
         self.recomputed_tokens += sum(r.num_computed for r in pending)  # KV lost with the node
         self._install(inst, new, pending)
         return True
+
+    def _restart(self, inst_id: int) -> Instance:
+        """``restart(inst_id)``, counted in :attr:`recovering` while it runs."""
+        self.recovering += 1
+        try:
+            return self.restart(inst_id)
+        finally:
+            self.recovering -= 1
 
     def _install(self, inst: Instance, new: Instance, pending: list[Request]) -> None:
         """Put restarted ``new`` in broken ``inst``'s place; it adopts ``pending`` (request ids

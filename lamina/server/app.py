@@ -127,6 +127,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
     async def health():
         if not engine.healthy:
             return JSONResponse({"status": "failed"}, status_code=503)
+        if engine.recovering:  # a role died; its instance is being restarted
+            return JSONResponse({"status": "recovering"}, status_code=503)
         if not engine.serving:  # every instance lost a role; restarts are being retried
             return JSONResponse({"status": "no_capacity"}, status_code=503)
         return {"status": "ok"}

@@ -46,6 +46,7 @@ class EngineMetrics:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+    restarts: int = 0  # instances restarted after a role died
     ttft_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
     tbt_s: list[float] = field(default_factory=list)
 
@@ -131,6 +132,12 @@ class AsyncEngine:
         return self._fatal is None and self._thread.is_alive()
 
     @property
+    def recovering(self) -> bool:
+        """Whether an instance is being restarted now (a role died; the engine thread is busy
+        starting its replacement)."""
+        return getattr(self.engine, "recovering", 0) > 0
+
+    @property
     def serving(self) -> bool:
         """Whether some instance can take requests now (False while every one lost a role
         and its restarts are being retried)."""
@@ -213,6 +220,7 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         self.metrics.running, self.metrics.waiting = self.engine.counts()
         self.metrics.kv_used_slots, self.metrics.kv_capacity_slots = self.engine.kv_slots()
+        self.metrics.restarts = getattr(self.engine, "recoveries", 0)
 
     def _fail(self, e: BaseException) -> None:
         self._fatal = e

@@ -22,7 +22,9 @@ class _Exporter:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tbt = Histogram("lamina_time_between_tokens_seconds", "Time between tokens",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self._seen = {"gen": 0, "prompt": 0}
+        self.restarts = Counter("lamina_restarts", "Restarts after a role died, by what was "
+                                "restarted (today the whole instance)", ["kind"], registry=r)
+        self._seen = {"gen": 0, "prompt": 0, "restarts": 0}
         self._finished_seen: dict[str, int] = {}
 
 
@@ -39,7 +41,8 @@ def render_metrics(m) -> bytes:
         ex.kv_cap.labels(node=str(i)).set(cap)
     ex.gen.inc(m.generated_tokens - ex._seen["gen"])
     ex.prompt.inc(m.prompt_tokens - ex._seen["prompt"])
-    ex._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens)
+    ex.restarts.labels(kind="instance").inc(m.restarts - ex._seen["restarts"])
+    ex._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens, restarts=m.restarts)
     for reason, n in list(m.finished.items()):
         ex.finished.labels(reason=reason).inc(n - ex._finished_seen.get(reason, 0))
         ex._finished_seen[reason] = n

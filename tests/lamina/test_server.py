@@ -184,6 +184,34 @@ def test_a_client_that_disconnects_aborts_its_non_streaming_request(client, monk
     _ok(client)
 
 
+def test_health_says_recovering_during_a_restart_and_metrics_count_restarts(client):
+    """While the deployment restarts an instance (its engine thread busy in ``restart``),
+    /health is a 503 ``recovering``; /metrics counts restarts by kind (today: instance)."""
+    dep = client.engine.engine
+    seen, real = [], dep.restart
+
+    def refused(i):
+        seen.append((dep.recovering, client.get("/health")))
+        raise RuntimeError("no memory host left")
+    dep.restart = refused
+    try:
+        with pytest.raises(RuntimeError):
+            dep._restart(0)
+    finally:
+        dep.restart = real
+    ((count, health),) = seen
+    assert count == 1 and health.status_code == 503 and health.json() == {"status": "recovering"}
+    assert dep.recovering == 0 and client.get("/health").json() == {"status": "ok"}
+    before = dep.recoveries
+    dep.recoveries = before + 2
+    try:
+        client.engine._update_stats()
+        assert f'lamina_restarts_total{{kind="instance"}} {float(before + 2)}' in \
+            client.get("/metrics").text
+    finally:
+        dep.recoveries = before
+
+
 def test_no_capacity_is_a_503_with_retry_after_until_an_instance_serves_again(client):
     """While every instance has lost a role and cannot be restarted, new requests get a 503
     with Retry-After and /health says no_capacity; once one serves again, so does the server.
