@@ -25,6 +25,8 @@ GEMM kernel.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import fx
@@ -98,13 +100,14 @@ def free_memory() -> int:
     return 1 << 62
 
 
-def _arenas(ext, weights: list[torch.Tensor | None]) -> dict:
+def _arenas(ext, weights: list[torch.Tensor | None]) -> tuple[dict, dict]:
     """Per weight dtype, one zeroed allocation in huge pages (:func:`huge_page_zeros`) that holds
     every packed weight of the list back to back, and the next free element: a slice streams
     its weights every step, and with 4 KB pages each page costs a TLB miss and a restart of the
     hardware prefetcher (one pass over packed SmolLM2 weights at 8 rows: ~6 % faster). The
     sizes come from packing an empty ``[1, K]`` weight of each dtype and K (the layout,
-    ``[ceil(N / rows), steps(K), rows, lanes]``, depends on the instruction set and dtype)."""
+    ``[ceil(N / rows), steps(K), rows, lanes]``, depends on the instruction set and dtype).
+    Returns the arenas and those layouts, ``(dtype, K) -> [1, steps, rows, lanes]``."""
     sizes: dict[torch.dtype, int] = {}
     layouts: dict[tuple[torch.dtype, int], torch.Size] = {}  # (dtype, K) -> an empty pack's shape
     for w in weights:
@@ -114,7 +117,24 @@ def _arenas(ext, weights: list[torch.Tensor | None]) -> dict:
                 layouts[w.dtype, k] = ext.pack_linear_weight(torch.empty(1, k, dtype=w.dtype)).shape
             _, steps, rows, lanes = layouts[w.dtype, k]
             sizes[w.dtype] = sizes.get(w.dtype, 0) + -(-n // rows) * rows * steps * lanes
-    return {dt: (huge_page_zeros((n,), dt), 0) for dt, n in sizes.items()}
+    return {dt: (huge_page_zeros((n,), dt), 0) for dt, n in sizes.items()}, layouts
+
+
+def pack_into(w: torch.Tensor, panels: torch.Tensor) -> bool:
+    """Write ``w[N, K]`` into zeroed ``panels[P, steps, rows, lanes]`` in the C++ kernel's
+    layout (``panels[p, g, r, l] = w[p * rows + r, g * lanes + l]``, zeros past N and K:
+    ``pack_linear_weight``'s result), with strided copies and no temporary; False (nothing
+    written) where K is not a multiple of ``lanes`` (the caller packs in C++ then)."""
+    N, K = w.shape
+    P, steps, rows, lanes = panels.shape
+    if K % lanes or K // lanes > steps or N > P * rows:
+        return False
+    w, by_row = w.contiguous(), panels.permute(0, 2, 1, 3)  # [P, rows, steps, lanes]: a view
+    full, kg = N // rows, K // lanes
+    by_row[:full, :, :kg].copy_(w[:full * rows].view(full, rows, kg, lanes))
+    if N > full * rows:
+        by_row[full, :N - full * rows, :kg].copy_(w[full * rows:].view(N - full * rows, kg, lanes))
+    return True
 
 
 def amx_layout(ext) -> bool:
@@ -143,7 +163,7 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
                and w.dim() == 2 else None for w in weights]
     if ext is not None and 2 * sum(w.nbytes for w in weights if w is not None) > free_memory():
         ext = None  # the packed copies would not fit beside what the host still has free
-    arenas = _arenas(ext, weights) if ext is not None else {}
+    arenas, layouts = _arenas(ext, weights) if ext is not None else ({}, {})
     n = 0
     for node, weight in zip(nodes, weights):
         node.target = skinny_linear
@@ -151,10 +171,13 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
         if ext is None or weight is None:
             continue
         name = f"_lamina_panels_{n}"
-        packed = ext.pack_linear_weight(weight.detach())
+        _, steps, rows, lanes = layouts[weight.dtype, weight.shape[1]]
+        shape = (-(-weight.shape[0] // rows), steps, rows, lanes)
         arena, at = arenas[weight.dtype]
-        panels = arena[at:at + packed.numel()].view(packed.shape).copy_(packed)
-        arenas[weight.dtype] = (arena, at + packed.numel())
+        panels = arena[at:at + math.prod(shape)].view(shape)  # zeros (huge_page_zeros)
+        if not pack_into(weight.detach(), panels):
+            panels.copy_(ext.pack_linear_weight(weight.detach()))
+        arenas[weight.dtype] = (arena, at + panels.numel())
         gm.register_buffer(name, panels, persistent=False)
         with gm.graph.inserting_before(node):
             panels_node = gm.graph.get_attr(name)

@@ -140,3 +140,24 @@ def test_no_packing_when_memory_is_short(monkeypatch):
 def test_free_memory_reads_the_host():
     from lamina.computenode.cpu_linear import free_memory
     assert 0 < free_memory() < 1 << 62
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(64, 96), (70, 96), (5, 40), (49, 576), (1, 8), (33, 12)])
+def test_packing_in_place_writes_the_cpp_layout(dtype, n, k):
+    """The arena is filled in place (no temporary pack): byte for byte what
+    ``pack_linear_weight`` returns, padding included, or the C++ pack where K does not split."""
+    from lamina.computenode.cpu_linear import pack_into
+    from lamina.kernels import cpp_ext
+    ext = cpp_ext.load()
+    if ext is None:
+        pytest.skip("the C++ extension does not build here")
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)).to(dtype)
+    want = ext.pack_linear_weight(w)
+    got = torch.zeros_like(want)
+    if pack_into(w, got):
+        assert torch.equal(got, want)
+    else:
+        assert k % want.shape[-1]  # only a K that is not a multiple of the lanes is refused
+        assert torch.equal(got, torch.zeros_like(want))  # nothing written
+    assert pack_into(w.t().contiguous().t(), torch.zeros_like(want)) == (k % want.shape[-1] == 0)
