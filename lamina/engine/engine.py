@@ -120,9 +120,12 @@ class Engine:
     def adopt(self, requests: list[Request], after: "Engine") -> None:
         """Take over the unfinished ``requests`` of engine ``after`` (whose replicas or nodes
         died): each goes back to WAITING with no KV and recomputes prompt + outputs so far
-        (recompute preemption), in the given order; ids continue past ``after``'s."""
+        (recompute preemption), in the given order; ids continue past ``after``'s. ``after``'s
+        finished requests stay readable here until their caller forgets them (one may have
+        finished in the very step whose failure brought this engine in)."""
         self._ids = itertools.count(max([next(after._ids)] + [r.req_id + 1 for r in requests]))
         self._steps = itertools.count(next(after._steps))
+        self.requests.update({rid: r for rid, r in after.requests.items() if r.finished})
         for req in requests:
             req.shards, req.num_computed = [], 0
             req.status = Status.WAITING

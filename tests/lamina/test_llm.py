@@ -118,3 +118,21 @@ def test_role_processes_compute_with_their_instance_kernels(folder):
         ref = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
     with LLM(folder, kv_cache_tokens=64) as llm:
         assert llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
+
+
+def test_a_request_finished_in_the_failing_step_stays_readable_after_a_restart(folder):
+    """A request may finish in the very deployment step whose failure (another micro-batch's
+    node died) restarts its instance: its caller still reads it afterwards, until it forgets
+    it (LLM.generate's stream once failed on it with ``'NoneType' ... 'finished'``)."""
+    with LLM(folder, kv_cache_tokens=64) as llm:
+        d = llm.deployment
+        req = d.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2,
+                                                      ignore_eos=True))
+        while not req.finished:
+            d.step()
+        inst = d.instances[0]
+        inst.close()
+        d._install(inst, d.restart(inst.inst_id), [])  # what a recovery does
+        assert d.request(req.req_id) is req
+        d.forget(req.req_id)
+        assert d.request(req.req_id) is None
