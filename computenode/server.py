@@ -133,7 +133,6 @@ class ReplicaServer:
         self.waits = WaitSet(fast, config.idle_spin_us) if fast is not None else None
         self.direct: list[tuple[Any, Any]] = []  # (source, channel) received on here
         self.rings: list[tuple[int, int, int]] = []  # their wait handles
-        self.direct_nodes: dict[int, Any] = {}  # node -> its channel, where received here
         self.spin = self.waits.spin(WAKE_S) if self.waits is not None else (0, 0)  # exchange's
         polling = make_polling(config.device_polling, replica.device, config.micro_batches,
                                config.max_step_tokens)
@@ -172,8 +171,6 @@ class ReplicaServer:
         else:
             self.direct.append((source, ch))
             self.rings.append(handle)
-            if isinstance(source, tuple):
-                self.direct_nodes[source[1]] = ch
 
     def _take(self) -> tuple[Any, Any]:
         """The next ``(source, message or the error that ended its channel)``: the inbox's, or
@@ -202,9 +199,6 @@ class ReplicaServer:
                         return source, e
 
     def _forget(self, i: int) -> None:
-        source = self.direct[i][0]
-        if isinstance(source, tuple):
-            del self.direct_nodes[source[1]]
         del self.direct[i], self.rings[i]
 
     def run(self) -> None:
@@ -342,10 +336,11 @@ class ReplicaServer:
         here for its RESULT: one native call that sends and takes the reply
         (:meth:`RingChannel.exchange <lamina.transport.ring.RingChannel.exchange>`), then, if
         the RESULT is not the next message, :meth:`_await_result`."""
-        ch = self.direct_nodes.get(node)
-        if ch is None or msg.works is not None:
+        i = next((j for j, (s, _) in enumerate(self.direct) if s == ("node", node)), -1)
+        if i < 0 or msg.works is not None:
             self.to_node(node, msg)
             return time.perf_counter_ns(), None
+        ch = self.direct[i][1]
         try:
             sent_ns, got = ch.exchange(MsgKind.ATTEND, msg.step_id, msg.layer, msg.reply_to,
                                        [msg.q, msg.k, msg.v], MsgKind.RESULT, *self.spin)
@@ -355,15 +350,14 @@ class ReplicaServer:
             raise _Failed from e
         if got is not None:
             return sent_ns, codec.result_of(msg.step_id, msg.layer, got)
-        return sent_ns, self._await_result(ch, msg.step_id, msg.layer)
+        return sent_ns, self._await_result(i, msg.step_id, msg.layer)
 
-    def _await_result(self, ch, step_id: int, layer: int) -> AttendResult | None:
-        """Wait on this thread for the RESULT of ``(step_id, layer)`` on node link ``ch``'s
+    def _await_result(self, i: int, step_id: int, layer: int) -> AttendResult | None:
+        """Wait on this thread for the RESULT of ``(step_id, layer)`` on direct link ``i``'s
         ring alone (no trip through the main loop). None once anything else needs the main
         loop: a message other than the PREPARE's OK (filed), a post from a reader thread, a
         wait interval without data, a failing receive (the main loop meets it again)."""
-        i = next(j for j, (_, c) in enumerate(self.direct) if c is ch)
-        source, ring = self.direct[i][0], [self.rings[i]]
+        (source, ch), ring = self.direct[i], [self.rings[i]]
         while self.waits.wait(ring, self.waits.posted, WAKE_S) == 0:
             try:
                 msg = ch.recv()
