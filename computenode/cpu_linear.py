@@ -137,6 +137,12 @@ def pack_into(w: torch.Tensor, panels: torch.Tensor) -> bool:
     return True
 
 
+def fused_kernels():
+    """The extension whose fused small ops (:mod:`lamina.computenode.fused_ops`) CPU slices
+    call: the packed kernels' (``None`` where :func:`packing_available` says no)."""
+    return cpp_ext.load() if packing_available() else None
+
+
 def amx_layout(ext) -> bool:
     """Whether ``ext`` packs bfloat16 weights for its AMX kernel (pairs of k per step)."""
     return ext.pack_linear_weight(torch.empty(1, 0, dtype=torch.bfloat16)).shape[-1] == 2

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from lamina.computenode.cpu_linear import use_skinny_linear
+from lamina.computenode.cpu_linear import fused_kernels, use_skinny_linear
 from lamina.computenode.cuda_graphs import SliceGraphs, capture_sizes
 from lamina.computenode.fast_ops import flatten_constants, use_fast_ops
+from lamina.computenode.fused_ops import fuse_small_ops
 from lamina.computenode.sampling import Sampler
 from lamina.splitter import SplitModel
 from lamina.types import SamplingParams, StepPlan
@@ -25,7 +26,10 @@ class ComputeReplica:
         self.split = split
         self.device = torch.device(device)
         self.sampler = sampler or Sampler()
+        fused = fused_kernels() if self.device.type == "cpu" else None
         for gm in split.slices:
+            if fused is not None:
+                fuse_small_ops(gm, fused)
             use_fast_ops(gm)
             if self.device.type == "cpu":
                 use_skinny_linear(gm)

@@ -1,7 +1,9 @@
 """The C++ CPU kernels: build, cache, call. One extension holds the paged-attention kernel
 (``kernels/csrc/paged_attention_cpu.cpp``) and the decode-sized linear layer
 (``kernels/csrc/skinny_linear_cpu.cpp``: ``pack_linear_weight`` / ``skinny_linear``, used by
-:mod:`lamina.computenode.cpu_linear`); ``bindings.cpp`` exposes both (without the GIL).
+:mod:`lamina.computenode.cpu_linear`) and the slices' fused small ops (``kernels/csrc/fused_cpu.cpp``:
+``rms_norm``, ``silu_mul``, ``rope``, used by :mod:`lamina.computenode.fused_ops`);
+``bindings.cpp`` exposes them (without the GIL).
 
 :func:`paged_attention_cpp` has the contract of :func:`lamina.kernels.reference.paged_attention_ref`
 (``q[T,H,D]``, ``k_pool/v_pool[S,Hkv,D]``, CSR ``qo_indptr[R+1]``/``kv_indptr[R+1]``/
@@ -33,7 +35,7 @@ __all__ = ["CFLAGS", "SOURCES", "HEADERS", "load", "available", "build_error", "
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp",
-                                          "bindings.cpp"))
+                                          "fused_cpu.cpp", "bindings.cpp"))
 HEADERS = (_CSRC / "simd.h",)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

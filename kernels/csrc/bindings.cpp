@@ -19,6 +19,12 @@ at::Tensor pack_linear_weight(const at::Tensor& w);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                          const c10::optional<at::Tensor>& bias);
 
+// fused_cpu.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& a, const at::Tensor& b);
+at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& inv_freq,
+                double scale);
+
 namespace py = pybind11;
 
 // The kernels touch no Python object: they run without the GIL, so the role's receiver
@@ -41,4 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pack_linear_weight(w[N,K] float32|bfloat16) -> panels[ceil(N/NR), steps(K), NR, L] (AVX2: NR 6, L 8; bfloat16 with AMX: NR 32, L 2, steps a multiple of 16; else NR 32, L 1; steps = ceil(K/L) unless noted)", nogil);
   m.def("skinny_linear", &skinny_linear,
         "skinny_linear(x[M,K] float32|bfloat16, panels, N, bias[N]|None) -> y[M,N] in x's dtype (float32 math)", nogil);
+  m.def("rms_norm", &rms_norm, "rms_norm(x[..., D], w[D], eps) -> w * (x * rsqrt(mean(x^2, -1) + eps))", nogil);
+  m.def("silu_mul", &silu_mul, "silu_mul(a, b) -> silu(a) * b", nogil);
+  m.def("rope", &rope,
+        "rope(x[B, H, T, D], pos[B, T] int64, inv_freq[D/2], scale) -> x * cos + rotate_half(x) * sin "
+        "(cos/sin of cat(f, f) times scale, f = pos * inv_freq); float32 result laid out [B, T, H, D]", nogil);
 }
