@@ -1,23 +1,27 @@
 """One dense pass over the builtin model on CPU: what the slices' op calls cost, in one run.
 
 A compute replica runs every slice of the split model once per decode step (attention
-excluded). This times that pass for T tokens on one core with the replica's slices as they
-run (packed C++ linear layers) in two forms, interleaved pass by pass:
+excluded). This times that pass for T tokens on one core with the packed C++ linear layers in
+three forms of the slices, interleaved pass by pass:
 
 * ``exported``: every small ATen op called as ``torch.ops.aten.<op>.<overload>`` (what
   ``torch.export`` emits);
-* ``bindings``: the same ops through their public bindings (:mod:`lamina.computenode.fast_ops`,
-  what a replica runs).
+* ``bindings``: the same ops through their public bindings (:mod:`lamina.computenode.fast_ops`);
+* ``fused``: what a replica runs: the small-op chains fused into one C++ call each
+  (:mod:`lamina.computenode.fused_ops`), the rest through bindings, each packed linear layer
+  one call into the extension.
 
 Attention is a fixed stand-in (zeros), so the pass is the dense part alone. Reports each form's
-median ms per pass, the difference, and the op calls per pass; checks that both give the same
-logits bit for bit. Saves bench/results/dense_cpu.{json,md}.
+median ms per pass, the op calls per pass, and whether the logits equal the exported form's
+(bit for bit for ``bindings``; ``fused`` rounds differently: its largest logit difference and
+whether the argmax agrees). Saves bench/results/dense_cpu.{json,md}.
 
     python bench/dense.py                   # T = 1 8 32, 9 rounds
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -31,24 +35,25 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from lamina.computenode.fast_ops import FAST, use_fast_ops  # noqa: E402
+from lamina.computenode.cpu_linear import use_skinny_linear  # noqa: E402
+from lamina.computenode.fast_ops import flatten_constants, use_fast_ops  # noqa: E402
 from lamina.computenode.replica import ComputeReplica  # noqa: E402
 from lamina.models import load_model  # noqa: E402
 from lamina.splitter import split_model  # noqa: E402
 
+FORMS = ("exported", "bindings", "fused")
 
-def set_form(split, fast: bool) -> None:
-    """Point every FAST node at its binding (``fast``: what a replica runs) or back at its
-    overload (what ``torch.export`` emitted)."""
-    back = {v: k for k, v in FAST.items()}
+
+def make_form(split, form: str):
+    """``split`` (a fresh copy) with its slices in ``form``."""
+    if form == "fused":
+        return ComputeReplica(split, "cpu").split
     for gm in split.slices:
-        if fast:
+        if form == "bindings":
             use_fast_ops(gm)
-            continue
-        for node in gm.graph.nodes:
-            if node.op == "call_function":
-                node.target = back.get(node.target, node.target)
-        gm.recompile()
+        use_skinny_linear(gm)
+        flatten_constants(gm)
+    return split
 
 
 def one_pass(split, tokens: int, heads: int, head_dim: int) -> torch.Tensor:
@@ -70,36 +75,42 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(args.model)
     cfg = loaded.model.config
     heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
-    split = ComputeReplica(split_model(loaded.model), "cpu").split
-    calls = sum(1 for gm in split.slices for n in gm.graph.nodes if n.op == "call_function")
-    moved = sum(1 for gm in split.slices for n in gm.graph.nodes if n.target in FAST.values())
+    base = split_model(loaded.model)
+    splits = {f: make_form(copy.deepcopy(base), f) for f in FORMS}
+    calls = {f: sum(1 for gm in s.slices for n in gm.graph.nodes if n.op == "call_function")
+             for f, s in splits.items()}
     rows = []
     for t in args.tokens:
-        times: dict[bool, list[float]] = {False: [], True: []}
-        out: dict[bool, torch.Tensor] = {}
+        times: dict[str, list[float]] = {f: [] for f in FORMS}
+        out: dict[str, torch.Tensor] = {}
         for r in range(args.rounds + 1):
-            for fast in ((False, True) if r % 2 else (True, False)):
-                set_form(split, fast)
+            for f in FORMS[r % 3:] + FORMS[:r % 3]:  # rotate the order round by round
                 t0 = time.perf_counter()
-                out[fast] = one_pass(split, t, heads, head_dim)
-                if r:  # round 0 warms both forms up
-                    times[fast].append(time.perf_counter() - t0)
-        set_form(split, True)
-        ex, fa = (1e3 * statistics.median(times[f]) for f in (False, True))
-        rows.append({"tokens": t, "exported_ms": ex, "bindings_ms": fa, "saved_ms": ex - fa,
-                     "ratio": statistics.median(a / b for a, b in zip(times[False], times[True])),
-                     "identical": bool(torch.equal(out[False], out[True]))})
-        print(f"T={t:3d}  exported {ex:7.1f} ms  bindings {fa:7.1f} ms  saved {ex - fa:5.1f} ms  "
-              f"identical={rows[-1]['identical']}")
-    lines = [f"# Dense pass over {args.model} on one core: op call paths ({calls} op calls per "
-             f"pass, {moved} through bindings; median of {args.rounds} interleaved rounds)", "",
-             "| tokens | exported ms | bindings ms | saved ms | exported / bindings (same round) "
-             "| same logits |", "|---:|---:|---:|---:|---:|---|"]
+                out[f] = one_pass(splits[f], t, heads, head_dim)
+                if r:  # round 0 warms every form up
+                    times[f].append(time.perf_counter() - t0)
+        ms = {f: 1e3 * statistics.median(times[f]) for f in FORMS}
+        ex = out["exported"]
+        rows.append({"tokens": t, **{f"{f}_ms": ms[f] for f in FORMS},
+                     "exported_over_fused": statistics.median(
+                         a / b for a, b in zip(times["exported"], times["fused"])),
+                     "bindings_identical": bool(torch.equal(out["bindings"], ex)),
+                     "fused_max_diff": float((out["fused"] - ex).abs().max()),
+                     "fused_argmax_same": bool(torch.equal(out["fused"].argmax(-1),
+                                                           ex.argmax(-1)))})
+        print(f"T={t:3d}  " + "  ".join(f"{f} {ms[f]:7.1f} ms" for f in FORMS))
+    lines = [f"# Dense pass over {args.model} on one core: op call paths (median of "
+             f"{args.rounds} interleaved rounds; {platform.processor() or platform.machine()})",
+             "", "op calls per pass: " + ", ".join(f"{f} {calls[f]}" for f in FORMS), "",
+             "| tokens | exported ms | bindings ms | fused ms | exported / fused (same round) "
+             "| bindings bit-identical | fused max logit diff | fused argmax same |",
+             "|---:|---:|---:|---:|---:|---|---:|---|"]
     lines += [f"| {r['tokens']} | {r['exported_ms']:.1f} | {r['bindings_ms']:.1f} | "
-              f"{r['saved_ms']:.1f} | {r['ratio']:.3f}x | {'yes' if r['identical'] else 'NO'} |"
-              for r in rows]
+              f"{r['fused_ms']:.1f} | {r['exported_over_fused']:.2f}x | "
+              f"{'yes' if r['bindings_identical'] else 'NO'} | {r['fused_max_diff']:.1e} | "
+              f"{'yes' if r['fused_argmax_same'] else 'NO'} |" for r in rows]
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": args.model, "rounds": args.rounds, "op_calls": calls, "via_bindings": moved,
+    meta = {"model": args.model, "rounds": args.rounds, "op_calls": calls,
             "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
     (args.out / "dense_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / "dense_cpu.md").write_text("\n".join(lines) + "\n")

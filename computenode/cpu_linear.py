@@ -154,7 +154,8 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
     that is a constant of ``gm`` is packed once for the C++ kernel (a buffer
     ``_lamina_panels_<i>`` of ``gm``: a view of one huge-page allocation per dtype), unless
     twice the packed bytes exceed the host's available memory (then ``gm`` keeps the unpacked
-    paths). Returns how many nodes were changed."""
+    paths), and its node calls ``ext.packed_linear``: :func:`skinny_linear`'s choice between
+    the packed kernel and ``F.linear``, made in C++. Returns how many nodes were changed."""
     global _ext, _bf16_rows
     if pack is None:
         pack = packing_available()
@@ -188,7 +189,10 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
         with gm.graph.inserting_before(node):
             panels_node = gm.graph.get_attr(name)
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        node.args, node.kwargs = (node.args[0], node.args[1], bias, panels_node), {}
+        # skinny_linear's dispatch, in C++: the slice calls the extension directly
+        node.target = ext.packed_linear
+        node.args = (node.args[0], node.args[1], bias, panels_node, SKINNY_ROWS, _bf16_rows)
+        node.kwargs = {}
     if n:
         gm.recompile()
     return n

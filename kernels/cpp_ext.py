@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -31,7 +32,8 @@ from lamina.kernels.reference import check_shapes
 from lamina.types import AttentionSpec
 
 __all__ = ["CFLAGS", "SOURCES", "HEADERS", "load", "available", "build_error", "build_key",
-           "cache_root", "extra_cflags", "cpp_eligible", "paged_attention_cpp", "_compiler"]
+           "cache_root", "extra_cflags", "cpp_eligible", "attention_fn", "paged_attention_cpp",
+           "_compiler"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp",
@@ -70,6 +72,28 @@ def cpp_eligible(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
             and k_pool.dim() == 3 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1)
 
 
+def attention_fn() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`paged_attention_cpp` bound to the built extension (raises ``RuntimeError``, as it
+    does, when the extension cannot be built): what a memory node calls layer after layer."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError(f"the C++ CPU attention kernel is unavailable ({build_error()}); "
+                           "set LAMINA_KERNELS=torch")
+    kernel = ext.paged_attention
+
+    def paged_attention_bound(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
+                              kv_start_pos, spec):
+        check_shapes(q, k_pool, spec)
+        if not cpp_eligible(q, k_pool, v_pool):
+            from lamina.kernels.torch_sparse import paged_attention_cpu
+            return paged_attention_cpu(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
+                                       q_positions, kv_start_pos, spec)
+        return kernel(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
+                      kv_start_pos, float(spec.scale), int(spec.window or 0),
+                      float(spec.softcap or 0.0))
+    return paged_attention_bound
+
+
 def paged_attention_cpp(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                         kv_indices: torch.Tensor, q_positions: torch.Tensor,
@@ -77,15 +101,5 @@ def paged_attention_cpp(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                         spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention by the C++ kernel (see the module docstring); raises ``RuntimeError``
     naming the cause when the extension cannot be built."""
-    check_shapes(q, k_pool, spec)
-    if not cpp_eligible(q, k_pool, v_pool):
-        from lamina.kernels.torch_sparse import paged_attention_cpu
-        return paged_attention_cpu(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
-                                   q_positions, kv_start_pos, spec)
-    ext = load()
-    if ext is None:
-        raise RuntimeError(f"the C++ CPU attention kernel is unavailable ({build_error()}); "
-                           "set LAMINA_KERNELS=torch")
-    return ext.paged_attention(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
-                               kv_start_pos, float(spec.scale), int(spec.window or 0),
-                               float(spec.softcap or 0.0))
+    return attention_fn()(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
+                          kv_start_pos, spec)

@@ -23,6 +23,7 @@ explicit ``triton``) raises a ``RuntimeError`` naming the fix.
 from __future__ import annotations
 
 import importlib.util
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,25 @@ def backend_for(device: torch.device) -> str:
     return choice
 
 
+def resolve(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The paged-attention function :func:`paged_attention` calls for tensors on ``device``
+    under this process's kernel choices, with :func:`paged_attention`'s contract. A caller
+    that attends many times with the same choices (a memory node, layer after layer) resolves
+    it once instead of per call."""
+    backend = backend_for(device)
+    if backend == "triton":
+        from lamina.kernels.triton_attention import paged_attention_triton
+        return paged_attention_triton
+    fn = {"cpp": cpp_ext.attention_fn() if backend == "cpp" else None,
+          "torch": paged_attention_cpu, "batched": paged_attention_batched}.get(
+              backend, paged_attention_ref)
+
+    def on_device_indptrs(q, k_pool, v_pool, qo_indptr, kv_indptr, *rest):
+        # host indptrs (the memory node's) are for Triton's planning; the others copy them over
+        return fn(q, k_pool, v_pool, qo_indptr.to(q.device), kv_indptr.to(q.device), *rest)
+    return on_device_indptrs if device.type != "cpu" else fn
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                     q_positions: torch.Tensor, kv_start_pos: torch.Tensor,
@@ -72,21 +92,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Paged attention; see :mod:`lamina.kernels.reference` for the contract. ``qo_indptr``
     and ``kv_indptr`` may also be host tensors: Triton then plans without waiting for the
     device (and reuses the plan across a step's layers); other backends copy them over."""
-    backend = backend_for(q.device)
-    if backend == "triton":
-        from lamina.kernels.triton_attention import paged_attention_triton
-        fn = paged_attention_triton
-    elif backend == "cpp":
-        fn = cpp_ext.paged_attention_cpp
-    elif backend == "torch":
-        fn = paged_attention_cpu
-    elif backend == "batched":
-        fn = paged_attention_batched
-    else:
-        fn = paged_attention_ref
-    if backend != "triton":  # host indptrs (the memory node's) are for Triton's planning
-        qo_indptr, kv_indptr = qo_indptr.to(q.device), kv_indptr.to(q.device)
-    return fn(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec)
+    return resolve(q.device)(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
+                             kv_start_pos, spec)
 
 
 def merge_states(os: torch.Tensor | list[torch.Tensor],

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from lamina.config import CacheConfig
-from lamina.kernels import paged_attention
+from lamina.kernels import dispatch
 from lamina.memnode.allocator import OutOfSlots, SlabAllocator
 from lamina.memnode.kv_pool import KVPool
 from lamina.memnode.plan import StepState, build_step
@@ -110,6 +110,7 @@ class MemoryNode:
         self._steps: dict[int, StepState] = {}
         self._attend_ns = 0  # cumulative ATTEND time, reported by STATS
         self.plane: NativePlane | None = None  # a native data plane serving ATTENDs (see sync)
+        self._attention = None  # the kernel for the pool's device, resolved at the first ATTEND
 
     def sync(self) -> None:
         """End the steps whose last layer the native plane attended (:attr:`plane`, which
@@ -212,7 +213,9 @@ class MemoryNode:
         idx = view.kv[spec.window]
         # host indptrs: a GPU pool's Triton kernel plans once per step, never waiting for the GPU
         qo_indptr, kv_indptr = torch.from_numpy(view.qo_indptr), torch.from_numpy(idx.kv_indptr)
-        o, lse = paged_attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
+        if self._attention is None:  # this role's kernel choices hold for its lifetime
+            self._attention = dispatch.resolve(self.pool.device)
+        o, lse = self._attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
                                  qo_indptr, kv_indptr, idx.kv_indices, view.q_positions,
                                  idx.kv_start_pos, spec)
         if b < R:

@@ -18,6 +18,9 @@ double read_kv_rows(const at::Tensor& k_pool, const at::Tensor& v_pool,
 at::Tensor pack_linear_weight(const at::Tensor& w);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                          const c10::optional<at::Tensor>& bias);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& bias, const at::Tensor& panels,
+                         int64_t max_rows, int64_t max_rows_same);
 
 // fused_cpu.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
@@ -47,6 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pack_linear_weight(w[N,K] float32|bfloat16) -> panels[ceil(N/NR), steps(K), NR, L] (AVX2: NR 6, L 8; bfloat16 with AMX: NR 32, L 2, steps a multiple of 16; else NR 32, L 1; steps = ceil(K/L) unless noted)", nogil);
   m.def("skinny_linear", &skinny_linear,
         "skinny_linear(x[M,K] float32|bfloat16, panels, N, bias[N]|None) -> y[M,N] in x's dtype (float32 math)", nogil);
+  m.def("packed_linear", &packed_linear,
+        "packed_linear(x[..., K], weight[N, K], bias|None, panels, max_rows, max_rows_same) -> "
+        "F.linear(x, weight, bias): skinny_linear on the panels up to max_rows rows of float32 x "
+        "(max_rows_same of x in the weight's dtype), at::linear otherwise", nogil);
   m.def("rms_norm", &rms_norm, "rms_norm(x[..., D], w[D], eps) -> w * (x * rsqrt(mean(x^2, -1) + eps))", nogil);
   m.def("silu_mul", &silu_mul, "silu_mul(a, b) -> silu(a) * b", nogil);
   m.def("rope", &rope,

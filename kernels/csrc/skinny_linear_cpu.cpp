@@ -440,3 +440,23 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
   }
   return y.to(x.scalar_type());  // a bfloat16 x: rounded once, as F.linear rounds its sums
 }
+
+// F.linear(x[..., K], weight[N, K], bias) for a node whose weight is packed: the packed kernel
+// for up to max_rows rows of float32 x (max_rows_same of x in the weight's own 16-bit dtype),
+// ATen's linear for anything else (prefill chunks). One call from the slice: no Python between.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& bias, const at::Tensor& panels,
+                         int64_t max_rows, int64_t max_rows_same) {
+  const int64_t K = x.size(-1), N = weight.size(0);
+  const int64_t rows = K ? x.numel() / K : 0;
+  const bool bias_ok = !bias.has_value() || !bias->defined() ||
+                       bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16;
+  const int64_t limit = x.scalar_type() == at::kFloat ? max_rows
+                        : x.scalar_type() == weight.scalar_type() ? max_rows_same : 0;
+  if (rows > 0 && rows <= limit && bias_ok && x.device().is_cpu()) {
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = N;
+    return skinny_linear(x.reshape({rows, K}), panels, N, bias).view(sizes);
+  }
+  return at::linear(x, weight, bias);
+}

@@ -57,19 +57,35 @@ def test_packed_weights_take_the_cpp_kernel(monkeypatch):
     packed = [name for gm in sm.slices for name, _ in gm.named_buffers()
               if name.startswith("_lamina_panels_")]
     assert packed
-    calls = []
-    real = cpu_linear.cpp_ext.load()
-
-    class Spy:
-        def skinny_linear(self, *a):
-            calls.append(a[2])
-            return real.skinny_linear(*a)
-
-    monkeypatch.setattr(cpu_linear, "_ext", Spy())
+    ext = cpu_linear.cpp_ext.load()
+    targets = [n.target for gm in sm.slices for n in gm.graph.nodes if n.op == "call_function"]
+    assert ext.packed_linear in targets and torch.ops.aten.linear.default not in targets
     after = sm.run_slice(0, {"input_ids": ids, "position_ids": pos})
-    assert calls  # the packed path ran
     for k, v in before.items():
         torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, SKINNY_ROWS, SKINNY_ROWS + 1])
+def test_packed_linear_takes_the_kernel_up_to_its_row_limit(rows):
+    """ext.packed_linear (what a packed node calls): the packed kernel up to max_rows rows (the
+    result equals skinny_linear's bit for bit), F.linear beyond (bit for bit too)."""
+    from lamina.computenode import cpu_linear
+    if not cpu_linear.packing_available():
+        pytest.skip("C++ kernels not built")
+    ext = cpu_linear.cpp_ext.load()
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(40, 32, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(1, rows, 32, generator=g)
+    p = ext.pack_linear_weight(w)
+    got = ext.packed_linear(x, w, b, p, SKINNY_ROWS, 16)
+    assert got.shape == (1, rows, 40)
+    want = (ext.skinny_linear(x.reshape(rows, 32), p, 40, b).view(1, rows, 40)
+            if rows <= SKINNY_ROWS else F.linear(x, w, b))
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # a float64 x is nobody's packed case: F.linear's error, not a wrong answer
+    with pytest.raises(RuntimeError):
+        ext.packed_linear(x.double(), w, b, p, SKINNY_ROWS, 16)
 
 
 def test_bfloat16_slices_pack_in_their_layout_and_row_limit():
