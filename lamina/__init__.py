@@ -5,8 +5,8 @@ The sub-packages ``lamina.splitter``, ``lamina.memnode``, ``lamina.computenode``
 by ``pyproject.toml``. When the code runs from a source checkout without installation, the
 repository root is appended to this package's search path so the same imports resolve.
 
-Importing ``lamina`` sets ``OMP_WAIT_POLICY=PASSIVE`` unless an OpenMP wait policy is set
-already (why, and when it takes effect: :mod:`lamina.omp`).
+Importing ``lamina`` notes whether the user chose an OpenMP wait policy; role processes it
+starts get ``PASSIVE`` unless they did (why: :mod:`lamina.omp`).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ if _os.path.isdir(_os.path.join(_root, "splitter")) and _root not in __path__:
 
 __version__ = "0.1.0"
 
-from lamina.omp import set_passive_wait as _set_passive_wait  # noqa: E402  (before torch)
+from lamina.omp import remember_choice as _remember_choice  # noqa: E402
 
-_set_passive_wait()
+_remember_choice()
 
 
 def __getattr__(name: str):

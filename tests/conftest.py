@@ -1,5 +1,5 @@
-"""Import lamina before anything loads torch, so the test processes get Lamina's OpenMP wait
-policy like a user's (lamina/omp.py); keep this session's model splits in a temporary folder;
+"""Import lamina before anything loads torch, as a user's script does (lamina/omp.py notes the
+OpenMP wait policy the user chose); keep this session's model splits in a temporary folder;
 load CUDA modules eagerly (GPU machines), as a polling replica does."""
 import atexit
 import os

@@ -17,7 +17,7 @@ import multiprocessing
 import os
 from typing import Any, Callable, Protocol
 
-from lamina.omp import warn_if_spinning
+from lamina import omp
 from lamina.proctitle import run_titled
 
 LOCAL = {"node_id": "local", "ip": "127.0.0.1"}  # where every role of one host runs
@@ -69,7 +69,7 @@ class ProcessLauncher:
 
     def start(self, target: Callable[..., Any], args: tuple, name: str, *, role: str = "",
               device: str = "cpu") -> RoleHandle:
-        warn_if_spinning()
+        omp.for_roles()
         p = self.ctx.Process(target=run_titled, args=(name, target, args), name=name,
                              daemon=True)
         p.start()

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import psutil
 import ray
 
+from lamina import omp
 from lamina.proctitle import keep_title, set_title
 
 
@@ -136,6 +137,7 @@ def ensure_ray(address: str | None, resources: dict[str, float]) -> bool:
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
         logging.ERROR)
     if address is None:
+        omp.for_roles()  # the local raylet, and so its actor processes, inherit this environment
         ray.init(resources=resources, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     else:

@@ -1,5 +1,5 @@
-"""Importing lamina defaults the OpenMP wait policy to PASSIVE, keeps a user's choice, and
-warns when starting processes if torch loaded first (its threads then spin)."""
+"""The OpenMP wait policy: the process that imports lamina keeps libgomp's default (it owns its
+cores in process); role processes start PASSIVE; a user's choice is left alone everywhere."""
 import os
 import subprocess
 import sys
@@ -7,13 +7,12 @@ import sys
 import pytest
 
 PROBE = """
-import os, sys, warnings
+import os
 {first}
-from lamina.omp import spinning, warn_if_spinning
-with warnings.catch_warnings(record=True) as w:
-    warnings.simplefilter("always")
-    warn_if_spinning(); warn_if_spinning()
-print(os.environ.get("OMP_WAIT_POLICY"), spinning(), len(w))
+from lamina import omp
+before = os.environ.get("OMP_WAIT_POLICY")
+omp.for_roles()
+print(before, os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
 """
 
 
@@ -26,10 +25,33 @@ def _probe(first: str, **env: str) -> list[str]:
 
 
 @pytest.mark.parametrize("first, env, want", [
-    ("import lamina", {}, ["PASSIVE", "False", "0"]),
-    ("import torch, lamina", {}, ["PASSIVE", "True", "1"]),  # too late for this process: warn once
-    ("import torch, lamina", {"OMP_WAIT_POLICY": "ACTIVE"}, ["ACTIVE", "False", "0"]),
-    ("import lamina", {"GOMP_SPINCOUNT": "1000"}, ["None", "False", "0"]),
+    ("import lamina", {}, ["None", "PASSIVE", "None"]),  # this process: default; roles: PASSIVE
+    ("import torch, lamina", {}, ["None", "PASSIVE", "None"]),
+    ("import torch, lamina", {"OMP_WAIT_POLICY": "ACTIVE"}, ["ACTIVE", "ACTIVE", "None"]),
+    ("import lamina", {"GOMP_SPINCOUNT": "1000"}, ["None", "None", "1000"]),  # a choice: kept
 ])
 def test_wait_policy(first, env, want):
     assert _probe(first, **env) == want
+
+
+def test_role_processes_start_passive(tmp_path):
+    """A role process spawned by the launcher sees PASSIVE (before its torch loads)."""
+    code = """
+import multiprocessing, os
+from lamina.instance.launcher import ProcessLauncher
+
+def show(q):
+    q.put(os.environ.get("OMP_WAIT_POLICY"))
+
+if __name__ == "__main__":
+    q = multiprocessing.get_context("spawn").Queue()
+    p = ProcessLauncher().start(show, (q,), "probe")
+    print(q.get(timeout=60)); p.join(30)
+"""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    script = tmp_path / "probe.py"  # spawn re-imports the main module: a file, not -c
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], env=clean, capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    assert out.split()[-1] == "PASSIVE"
