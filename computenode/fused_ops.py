@@ -89,7 +89,7 @@ def _table(c: Any, fn: Any) -> tuple | None:
 
 
 def _rope(n: fx.Node) -> tuple | None:
-    """``(x, pos, inv_freq, scale)`` where ``n`` applies the rotary embedding to ``x``."""
+    """``(x, pos, inv_freq, scale, half)`` where ``n`` applies the rotary embedding to ``x``."""
     if not _call(n, aten.add.Tensor, 2):
         return None
     for a, b in (n.args, n.args[::-1]):
@@ -110,7 +110,7 @@ def _rope(n: fx.Node) -> tuple | None:
             continue
         cos, sin = _table(c, aten.cos.default), _table(s, aten.sin.default)
         if cos is not None and sin is not None and cos[3] is sin[3] and cos[2] == sin[2]:
-            return x, cos[0], cos[1], cos[2]
+            return x, cos[0], cos[1], cos[2], half
     return None
 
 

@@ -26,7 +26,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& a, const at::Tensor& b);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& inv_freq,
-                double scale);
+                double scale, int64_t half);
 
 namespace py = pybind11;
 
@@ -57,6 +57,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "rms_norm(x[..., D], w[D], eps) -> w * (x * rsqrt(mean(x^2, -1) + eps))", nogil);
   m.def("silu_mul", &silu_mul, "silu_mul(a, b) -> silu(a) * b", nogil);
   m.def("rope", &rope,
-        "rope(x[B, H, T, D], pos[B, T] int64, inv_freq[D/2], scale) -> x * cos + rotate_half(x) * sin "
+        "rope(x[B, H, T, D], pos[B, T] int64, inv_freq[D/2], scale, half) -> x * cos + cat(-x[..., half:], x[..., :half]) * sin "
         "(cos/sin of cat(f, f) times scale, f = pos * inv_freq); float32 result laid out [B, T, H, D]", nogil);
 }

@@ -10,8 +10,9 @@
 //
 // * rms_norm(x[..., D], w[D], eps) = w * (x * rsqrt(mean(x^2, -1) + eps));
 // * silu_mul(a, b) = silu(a) * b = a / (1 + exp(-a)) * b;
-// * rope(x[B, H, T, D], pos[B, T], inv_freq[D/2], scale): the rotate-half rotary embedding,
-//   x * cos + rotate_half(x) * sin with cos/sin = cos/sin(cat(f, f)) * scale, f = pos * inv_freq.
+// * rope(x[B, H, T, D], pos[B, T], inv_freq[D/2], scale, half): the rotate-half rotary
+//   embedding, x * cos + cat(-x[..., half:], x[..., :half]) * sin with cos/sin =
+//   cos/sin(cat(f, f)) * scale, f = pos * inv_freq (the kernel's case: half = D/2).
 //
 // The sums of squares add in another order than torch's reduction, and exp (Cephes'
 // polynomial, ~1 ulp) and cos/sin (the C library's) may differ from torch's vectorised ones in
@@ -121,18 +122,18 @@ at::Tensor silu_mul(const at::Tensor& a, const at::Tensor& b) {
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& inv_freq,
-                double scale) {
+                double scale, int64_t half) {
   const bool fast = x.scalar_type() == at::kFloat && x.dim() == 4 && x.device().is_cpu() &&
                     inv_freq.scalar_type() == at::kFloat && inv_freq.dim() == 1 &&
-                    x.size(3) == 2 * inv_freq.size(0) && pos.dim() == 2 &&
+                    x.size(3) == 2 * inv_freq.size(0) && half == inv_freq.size(0) &&
+                    pos.dim() == 2 &&
                     pos.size(0) == x.size(0) && pos.size(1) == x.size(2) &&
                     pos.scalar_type() == at::kLong;
   if (!fast) {  // the chain itself, op for op
     const at::Tensor f = pos.unsqueeze(2).to(at::kFloat) * inv_freq;
     const at::Tensor e = at::cat({f, f}, -1);
     const at::Tensor c = (e.cos() * scale).unsqueeze(1), s = (e.sin() * scale).unsqueeze(1);
-    const int64_t h = x.size(3) / 2;
-    const at::Tensor rot = at::cat({-x.slice(3, h), x.slice(3, 0, h)}, -1);
+    const at::Tensor rot = at::cat({-x.slice(3, half), x.slice(3, 0, half)}, -1);
     return x * c + rot * s;
   }
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), h = D / 2;

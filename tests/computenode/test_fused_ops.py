@@ -52,7 +52,7 @@ def test_rope_matches_the_chain_on_a_strided_view(tokens, heads, dim, scale):
     x = torch.randn(1, tokens, heads, dim, generator=G).transpose(1, 2)  # what a slice passes
     pos = torch.randint(0, 4000, (1, tokens), generator=G)
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    got = cpp_ext.load().rope(x, pos, inv, scale)
+    got = cpp_ext.load().rope(x, pos, inv, scale, dim // 2)
     assert got.shape == x.shape
     assert got.transpose(1, 2).is_contiguous()  # [B, T, H, D] in memory: q/k[T, H, D] views
     torch.testing.assert_close(got, rope_chain(x, pos, inv, scale), rtol=1e-5, atol=2e-6)
@@ -66,7 +66,13 @@ def test_other_dtypes_run_the_chain_bitwise():
     assert torch.equal(ext.silu_mul(x, w.expand(3, 16)), F.silu(x) * w)
     q = torch.randn(1, 2, 3, 8, generator=G).bfloat16()
     pos, inv = torch.arange(3)[None], torch.rand(4, generator=G)
-    assert torch.equal(ext.rope(q, pos, inv, 1.0), rope_chain(q, pos, inv, 1.0))
+    assert torch.equal(ext.rope(q, pos, inv, 1.0, 4), rope_chain(q, pos, inv, 1.0))
+    # a split other than D/2 is the chain's own business: computed as written, not as the kernel
+    x = torch.randn(1, 2, 3, 8, generator=G)
+    f = pos.unsqueeze(2).to(torch.float32) * inv
+    e = torch.cat([f, f], -1)
+    want = x * e.cos().unsqueeze(1) + torch.cat([-x[..., 3:], x[..., :3]], -1) * e.sin().unsqueeze(1)
+    assert torch.equal(ext.rope(x, pos, inv, 1.0, 3), want)
 
 
 def attend(k, q, key, v):  # any fixed function of q, k, v: the same in both runs
