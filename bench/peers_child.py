@@ -5,7 +5,31 @@
 
 ``SPEC`` (JSON: ``kind``, ``settings``, ``workloads``) says what to run; ``OUT`` gets the
 result (JSON), rewritten after each workload. Only the standard library is imported at the top,
-so any engine's Python can run it; ``bench/peers.py``'s docstring says how each engine is timed.
+so any engine's Python can run it.
+
+How time is measured, the same way for every engine: each engine's child process records, per
+request, the wall-clock time (``perf_counter``, relative to the submission) at which each of its
+new tokens became visible to the caller:
+
+* lamina: a ``StreamDelta`` yielded by ``LLM.generate_stream`` (one engine step per delta);
+* llama.cpp: the low-level API (``llama_decode`` on a ``llama_batch``), as llama.cpp's own
+  ``batched`` example and its server with parallel slots do: the prompts' tokens are packed
+  into batches of at most ``n_batch`` (2048) tokens across sequences, in order, and each
+  sequence's first token is taken (argmax of its logits) after the decode that holds its last
+  prompt token; then every step decodes one token of every sequence in one ``llama_decode``;
+  a token's time is when its argmax is known;
+* vLLM: ``LLM.llm_engine.add_request`` for every prompt, then ``llm_engine.step()`` until done
+  (what ``LLM.generate`` does inside); a token's time is when the step that returns it returns.
+
+From these times: **TTFT** is the mean over requests of the first token's time; **prefill
+end** is the latest first-token time; **decode tok/s** = the new tokens that became visible
+after the prefill end / (the last token's time - prefill end). So prefill is everything up to
+the moment every request has its first token, decode is what follows; tokens an engine
+produced while other prompts were still prefilling (chunked prefill, continuous batching) are
+counted in neither. **start-up** is from the child process's start (just before
+``Popen``) to its engine being ready to take requests (model loaded, warm-ups the engine does
+itself included). Each child then runs one untimed warm-up request (16 tokens -> 4) before the
+timed workloads.
 """
 from __future__ import annotations
 
