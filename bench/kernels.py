@@ -299,12 +299,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
                          f"{c['vs_torch_cpu']:.2f}x | {c['vs_batched']:.2f}x |")
     elif grid:
         lines += ["", "## Uniform contexts, random slot permutation", "",
-                  "| batch | ctx | KV MiB | method | ms | GB/s | copy GB/s | % of copy | "
-                  "MBU (% of spec) | x batched |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+                  "| batch | ctx | KV MiB | method | ms | host us | GB/s | copy GB/s | % of copy | "
+                  "MBU (% of spec) | x batched |",
+                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in grid:
             mbu = r.get("mbu", float("nan"))
             lines.append(f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | {r['method']} | "
-                         f"{r['time_ms']:.3f} | {r['gbps']:.1f} | {r['copy_gbps']:.1f} | "
+                         f"{r['time_ms']:.3f} | {r.get('host_us', float('nan')):.1f} | "
+                         f"{r['gbps']:.1f} | {r['copy_gbps']:.1f} | "
                          f"{100 * r['frac_copy']:.0f}% | "
                          f"{'n/a' if mbu != mbu else f'{100 * mbu:.0f}%'} | {r['vs_batched']:.2f}x |")
     return "\n".join(lines) + "\n"
@@ -322,6 +324,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=None, help="rounds per step (10; --quick 5)")
     ap.add_argument("--grid-reps", type=int, default=None,
                     help="rounds per grid point (5; --quick 3)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="CUDA: only these batch sizes of the grid")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="CUDA: only these context lengths of the grid")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = ap.parse_args(argv)
     a.reps = a.reps or (5 if a.quick else 10)
@@ -338,7 +344,9 @@ def main(argv: list[str] | None = None) -> None:
         import triton
         meta["triton"] = triton.__version__
         from kernels_cuda import CUDA_GRID, run_cuda  # this script's folder
-        rows = run_cuda(QUICK_GRID if a.quick else CUDA_GRID, a.warmup, a.reps)
+        grid = [(b, c) for b, c in (QUICK_GRID if a.quick else CUDA_GRID)
+                if (a.batches is None or b in a.batches) and (a.contexts is None or c in a.contexts)]
+        rows = run_cuda(grid, a.warmup, a.reps)
     else:
         threads = a.threads or list(dict.fromkeys([torch.get_num_threads(), 1]))
         meta["step_threads"] = threads

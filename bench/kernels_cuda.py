@@ -7,6 +7,9 @@ times ``BACK_TO_BACK`` calls with one synchronisation at the end (consecutive la
 step); Triton gets host indptrs, as a memory node's calls do, so it plans once (the first
 warm-up call) and every later call reuses the plan, as a step's later layers do; its host work
 overlaps the previous call's kernels and small cells measure the per-call host cost.
+``triton_graph`` is the same kernel replayed from a CUDA graph per padded shape
+(:mod:`lamina.kernels.triton_graphs`: the memory node's default on a GPU); ``host_us`` is a
+call's host time (the loop's time before its synchronisation, per call).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
     """Triton vs SDPA on a contiguous copy vs torch_batched; the same call repeated. ``mbu``:
     KV bytes/s over the device's spec bandwidth (:func:`device_peak_bw`)."""
     from lamina.kernels.triton_attention import paged_attention_triton
+    from lamina.kernels.triton_graphs import paged_attention_graphed
     heads, kv_heads, head_dim, dtype = SHAPE
     peak = device_peak_bw()
     free = torch.cuda.mem_get_info()[0]
@@ -75,18 +79,22 @@ def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
         dst = torch.empty_like(src)
         fns = {"copy": lambda: dst.copy_(src),
                "triton": lambda: paged_attention_triton(*host_args),
+               "triton_graph": lambda: paged_attention_graphed(*host_args),
                "sdpa_padded": _sdpa_padded(q, kc, vc, spec),
                "torch_batched": lambda: paged_attention_batched(*args)}
         times: dict[str, list[float]] = {n: [] for n in fns}
+        hosts: dict[str, list[float]] = {n: [] for n in fns}
         for rnd in range(warmup + reps):
             for name, fn in fns.items():
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(BACK_TO_BACK):
                     fn()
+                t1 = time.perf_counter()
                 torch.cuda.synchronize()
                 if rnd >= warmup:
                     times[name].append((time.perf_counter() - t0) / BACK_TO_BACK)
+                    hosts[name].append((t1 - t0) / BACK_TO_BACK)
         med = {n: statistics.median(ts) for n, ts in times.items()}
         copy_bw = 2 * kv_bytes / med["copy"]
         for name, t in med.items():
@@ -95,6 +103,7 @@ def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
                                  mean_ctx=float(ctx), kind="decode", layers=1, method=name,
                                  kv_mib=kv_bytes / 2**20,
                                  time_ms=t * 1e3, gbps=kv_bytes / t / 1e9,
+                                 host_us=statistics.median(hosts[name]) * 1e6,
                                  copy_gbps=copy_bw / 1e9, frac_copy=kv_bytes / t / copy_bw,
                                  mbu=kv_bytes / t / peak if peak else float("nan"),
                                  vs_batched=med["torch_batched"] / t))

@@ -4,7 +4,8 @@ The process's ``attention`` kernel choice (:func:`lamina.config.kernels_in_use`:
 :class:`~lamina.config.KernelConfig`, by default what ``LAMINA_KERNELS`` named) selects the
 implementation:
 
-* unset / ``auto``: Triton for CUDA tensors, the C++ kernel (:mod:`lamina.kernels.cpp_ext`)
+* unset / ``auto``: Triton for CUDA tensors (replayed from CUDA graphs per padded shape where
+  the indptrs are host tensors: :mod:`lamina.kernels.triton_graphs`), the C++ kernel (:mod:`lamina.kernels.cpp_ext`)
   for CPU tensors when it builds, the torch path otherwise (after one ``RuntimeWarning`` that
   names why the build failed);
 * ``cpp``: the C++ kernel on CPU tensors (an error if it cannot be built);
@@ -72,6 +73,9 @@ def resolve(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Ten
     that attends many times with the same choices (a memory node, layer after layer) resolves
     it once instead of per call."""
     backend = backend_for(device)
+    if backend == "triton" and device.type == "cuda":  # one graph replay per call where it can
+        from lamina.kernels.triton_graphs import paged_attention_graphed
+        return paged_attention_graphed
     if backend == "triton":
         from lamina.kernels.triton_attention import paged_attention_triton
         return paged_attention_triton

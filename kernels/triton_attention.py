@@ -88,12 +88,16 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, kv_indices_ptr, q_pos_ptr, work_ptr,
     # Keys of this chunk that at least one row may see: [n_lo, n_hi) in shard-local indices.
     chunk_lo = c * chunk_size
     chunk_hi = tl.minimum(chunk_lo + chunk_size, kv_len)
-    pos_max = tl.max(tl.where(row_ok, q_pos, -2147483647), axis=0)
+    # A tile with no row (a padded work item, kernels/triton_graphs.py) must get an empty
+    # range whose bounds' difference fits int32 (a GPU loop computes its trip count from it):
+    # sentinels of +-2**30 (positions are below that), and n_hi clamped to n_lo.
+    pos_max = tl.max(tl.where(row_ok, q_pos, -(1 << 30)), axis=0)
     n_hi = tl.minimum(chunk_hi, pos_max - pos0 + 1)
     n_lo = chunk_lo
     if HAS_WINDOW:
-        pos_min = tl.min(tl.where(row_ok, q_pos, 2147483647), axis=0)
+        pos_min = tl.min(tl.where(row_ok, q_pos, 1 << 30), axis=0)
         n_lo = tl.maximum(chunk_lo, pos_min - pos0 - window + 1)
+    n_hi = tl.maximum(n_hi, n_lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -242,17 +246,32 @@ class _LaunchPlan:
         return sum(t.untyped_storage().nbytes() for t in ts if t is not None)
 
 
-def _launch_plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, T: int, Hkv: int, G: int,
-                 D: int, kv_chunk: int | None, block_n: int | None,
-                 dev: torch.device) -> _LaunchPlan:
-    qo = qo_indptr.detach().to("cpu", torch.int64).numpy()
-    kv = kv_indptr.detach().to("cpu", torch.int64).numpy()
+@dataclass
+class HostPlan:
+    """The host half of a plan: block sizes, the KV chunk and the numpy work list of
+    :func:`_plan` (``work[3,W]``, ``tok_wbase/tok_row0/tok_nch[T]``, ``max_ch``)."""
+
+    GP: int
+    block_q: int
+    block_m: int
+    block_n: int
+    chunk: int
+    work: np.ndarray
+    tok: tuple[np.ndarray, np.ndarray, np.ndarray]
+    max_ch: int
+
+
+def host_plan(qo: np.ndarray, kv: np.ndarray, T: int, Hkv: int, G: int, D: int,
+              kv_chunk: int | None, block_n: int | None, dev: torch.device,
+              pow2_chunk: bool = False) -> HostPlan | None:
+    """Plan int64 host indptrs ``qo``/``kv`` (None: no work). ``pow2_chunk`` rounds the chosen
+    chunk up to a power of two, so that consecutive decode steps share it (CUDA graphs)."""
     R = len(qo) - 1
     GP = triton.next_power_of_2(G)
     block_d = max(16, triton.next_power_of_2(D))
     block_n = block_n or (64 if block_d <= 128 else 32)
     if T == 0 or R < 1 or int(kv[-1]) == 0:
-        return _LaunchPlan(max(R, 0), 0, 0, 0, GP, 1, 16, block_n)
+        return None
     if int(kv[-1]) >= 2 ** 31:
         raise ValueError(f"kv_indptr ends at {int(kv[-1])}: more than 2**31 - 1 keys in one call")
     if int(qo[-1]) > T:
@@ -264,31 +283,49 @@ def _launch_plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, T: int, Hkv: 
 
     base_programs = int((-(-q_len // block_q)).sum()) * Hkv
     chunk = _kv_chunk(kv_chunk, int(kv_len.max()), base_programs, block_n, dev)
+    if pow2_chunk:
+        chunk = triton.next_power_of_2(chunk)
     while True:
         work, tok_wbase, tok_row0, tok_nch, max_ch = _plan(qo, kv, T, block_q, chunk)
         scratch = work.shape[1] * Hkv * block_m * (D + 1) * 4
         if max_ch <= 1 or scratch <= PARTIAL_BUDGET_BYTES:
             break
         chunk *= 2
+    return HostPlan(GP, block_q, block_m, block_n, chunk, work, (tok_wbase, tok_row0, tok_nch),
+                    max_ch)
+
+
+def _launch_plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, T: int, Hkv: int, G: int,
+                 D: int, kv_chunk: int | None, block_n: int | None,
+                 dev: torch.device) -> _LaunchPlan:
+    qo = qo_indptr.detach().to("cpu", torch.int64).numpy()
+    kv = kv_indptr.detach().to("cpu", torch.int64).numpy()
+    R = len(qo) - 1
+    hp = host_plan(qo, kv, T, Hkv, G, D, kv_chunk, block_n, dev)
+    if hp is None:
+        bn = block_n or (64 if max(16, triton.next_power_of_2(D)) <= 128 else 32)
+        return _LaunchPlan(max(R, 0), 0, 0, 0, triton.next_power_of_2(G), 1, 16, bn)
+    tok_wbase, tok_row0, tok_nch = hp.tok
     # one host-to-device copy for the whole plan (and the indptrs), asynchronous from pinned
     # memory on CUDA: with host indptrs in, a call never waits for the device
     meta = torch.from_numpy(np.concatenate(
-        [work.reshape(-1), tok_wbase, tok_row0 * GP, tok_nch, qo, kv]).astype(np.int32))
+        [hp.work.reshape(-1), tok_wbase, tok_row0 * hp.GP, tok_nch, qo, kv]).astype(np.int32))
     if dev.type == "cuda":
         meta = meta.pin_memory().to(dev, non_blocking=True)
-    W = work.shape[1]
-    split = max_ch > 1
+    W = hp.work.shape[1]
+    split = hp.max_ch > 1
     # the split path's merge writes every row; otherwise rows of requests with no keys (and
     # rows past qo_indptr's end) are written by nobody and start as zeros / -inf
+    q_len, kv_len = np.diff(qo), np.diff(kv)
     cover = split or int(q_len[kv_len > 0].sum()) == T
-    lp = _LaunchPlan(R, W, max_ch, chunk, GP, block_q, block_m, block_n, cover,
+    lp = _LaunchPlan(R, W, hp.max_ch, hp.chunk, hp.GP, hp.block_q, hp.block_m, hp.block_n, cover,
                      work=meta[:3 * W], tok=tuple(meta[3 * W + i * T: 3 * W + (i + 1) * T]
                                                  for i in range(3)),
                      qo=meta[3 * W + 3 * T: 3 * W + 3 * T + R + 1],
                      kv=meta[3 * W + 3 * T + R + 1:])
     if split:
-        lp.o_part = torch.empty((W * Hkv * block_m, D), dtype=torch.float32, device=dev)
-        lp.lse_part = torch.empty((W * Hkv * block_m,), dtype=torch.float32, device=dev)
+        lp.o_part = torch.empty((W * Hkv * hp.block_m, D), dtype=torch.float32, device=dev)
+        lp.lse_part = torch.empty((W * Hkv * hp.block_m,), dtype=torch.float32, device=dev)
     return lp
 
 
@@ -306,7 +343,8 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     splitting. Planning reads ``qo_indptr`` and ``kv_indptr`` on the host: they may be host
     tensors (then a CUDA call never waits for the device, and the plan is reused by later
     calls with equal indptrs: a step's other layers), else they are copied back (a wait).
-    Not CUDA-graph capturable.
+    Not CUDA-graph capturable as a whole (it plans and allocates); :func:`launch` is, and
+    :mod:`lamina.kernels.triton_graphs` captures it per padded shape.
     """
     T, H, D = q.shape
     S, Hkv, Dk = k_pool.shape
@@ -344,12 +382,25 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
     kv_indices, q_positions, kv_start_pos = (t if t.device == dev else t.to(dev) for t in
                                              (kv_indices, q_positions, kv_start_pos))
+    launch(q, k_pool, v_pool, kv_indices.contiguous(), q_positions.contiguous(),
+           kv_start_pos.contiguous(), lp, o, lse, spec)
+    return o, lse
+
+
+def launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
+           q_positions: torch.Tensor, kv_start_pos: torch.Tensor, lp: _LaunchPlan,
+           o: torch.Tensor, lse: torch.Tensor, spec: AttentionSpec) -> None:
+    """Queue the attention kernel (and, for a split plan, the merge) of plan ``lp`` on the
+    current stream: no allocation, no host sync, so a CUDA graph can capture it. Inputs
+    contiguous in their last dim and on q's device; ``o[T,H,D]``/``lse[T,H]`` contiguous
+    outputs (rows the plan does not cover are left as they are)."""
+    T, H, D = o.shape
+    Hkv, G = k_pool.shape[1], spec.group_size
     split = lp.o_part is not None
     block_d = max(16, triton.next_power_of_2(D))
     _paged_attn_kernel[(lp.W, Hkv)](
-        q, k_pool, v_pool, kv_indices.contiguous(), q_positions.contiguous(), lp.work, lp.qo,
-        lp.kv, kv_start_pos.contiguous(), lp.o_part if split else o,
-        lp.lse_part if split else lse,
+        q, k_pool, v_pool, kv_indices, q_positions, lp.work, lp.qo, lp.kv, kv_start_pos,
+        lp.o_part if split else o, lp.lse_part if split else lse,
         lp.W, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1),
         float(spec.scale), float(spec.softcap or 1.0), int(spec.window or 0), lp.chunk,
@@ -362,4 +413,3 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         launch_merge(lp.o_part, lp.lse_part, o, lse, num_rows=T * H, num_parts=lp.max_ch,
                      part_stride=Hkv * lp.block_m, head_dim=D,
                      paged=(*lp.tok, H, G, Hkv, lp.block_m))
-    return o, lse

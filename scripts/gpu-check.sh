@@ -21,6 +21,7 @@
 # GPU_CHECK_POLLING=0 (e2e without the device-polling setup, one model split less per run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # a GPU machine has lamina only as this tree
 DIR="${OUT:-bench/results}/gpu_check"
 mkdir -p "$DIR"
 if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then

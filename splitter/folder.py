@@ -124,17 +124,30 @@ def load_slices(folder: Path, records: list[dict], device: torch.device | str = 
         path = folder / "slices" / f"slice_{k}.py"
         try:
             exec(compile(path.read_text(), str(path), "exec"), scope)  # noqa: S102 - see above
-            code = type(f"Slice{k}Code", (torch.nn.Module,), {"forward": scope["forward"]})()
-            code.__dict__.update({n: v for n, v in holder.__dict__.items()
-                                  if n in ("_parameters", "_buffers", "_modules")})
-            for name in rec["attrs"]:  # plain attributes of the holder itself
-                if "." not in name and rec["attrs"][name][1] == "t":
-                    code.__dict__[name] = holder.__dict__[name]
-            graph = fx.Tracer().trace(code)
+            root = type(f"Slice{k}Code", (torch.nn.Module,), {"forward": scope["forward"]})()
+            for target, (name, _) in rec["attrs"].items():  # every tensor a buffer while tracing
+                _attach(root, target, weights[name], "b")
+            graph = _ProxyTensors().trace(root)
         except Exception as e:  # noqa: BLE001 - a folder written by another version
             raise SplitError(f"{path}: cannot trace the slice back: {e}") from e
         slices.append(fx.GraphModule(holder, graph, class_name=f"Slice{k}"))
     return slices
+
+
+class _ProxyTensors(fx.Tracer):
+    """A tracer for which every tensor attribute read is a ``get_attr`` proxy. FX's own proxies
+    parameters only, so an op on a buffer alone (``inv_freq.to(float32)`` in a 16-bit split)
+    would run while tracing and be folded into an unnamed ``_tensor_constant``."""
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if isinstance(attr_val, torch.Tensor):
+            names = self.__dict__.get("_tensor_names")
+            if names is None:
+                names = self._tensor_names = {id(t): n for n, t in
+                                              self.root.named_buffers(remove_duplicate=False)}
+            if id(attr_val) in names:
+                return self.create_proxy("get_attr", names[id(attr_val)], (), {})
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
 def _attach(root: torch.nn.Module, target: str, t: torch.Tensor, kind: str) -> None:

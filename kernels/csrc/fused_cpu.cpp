@@ -28,9 +28,9 @@
 
 namespace {
 
+#if LAMINA_SIMD
 using lamina_simd::Vec;
 
-#if LAMINA_SIMD
 // exp(x) for any float x, as exp_poly: inputs clamped to [-87.3, 88.3].
 inline Vec::R exp_any(Vec::R x) {
   x = Vec::max(x, Vec::set1(-87.3f));

@@ -31,6 +31,7 @@ def test_report_summarises_the_steps(tmp_path):
              "mbu": m, "time_ms": 1.0} for b, c, m in ((1, 512, 0.3), (32, 2048, 0.86),
                                                        (64, 8192, 0.90), (256, 32768, 0.80))]
     rows.append({**rows[0], "method": "sdpa_padded"})
+    rows += [{**rows[0], "method": "triton_graph", "ctx": "8192", "mbu": 0.62, "host_us": 21.0}]
     (tmp_path / "kernels_cuda.json").write_text(json.dumps({"meta": {}, "rows": rows}))
     (tmp_path / "cpu_memory").mkdir()
     (tmp_path / "cpu_memory" / "e2e_cuda.json").write_text(json.dumps({"rows": [
@@ -42,15 +43,18 @@ def test_report_summarises_the_steps(tmp_path):
     assert gpu_report.main([str(tmp_path)]) == 0
     s = json.loads((tmp_path / "gpu_check.json").read_text())
     assert s["steps"]["e2e_gpu_memory"]["rc"] == "1" and s["steps"]["e2e_cpu_memory"]["rc"] == "not run"
-    assert s["kernels"]["mbu_median_large"] == pytest.approx(0.86)  # batch >= 32, ctx >= 2048 only
-    assert s["kernels"]["met"] is True and len(s["kernels"]["cells"]) == 4
+    tri, graph = s["kernels"]["triton"], s["kernels"]["triton_graph"]
+    assert tri["mbu_median_large"] == pytest.approx(0.86)  # batch >= 32, ctx >= 2048 only
+    assert tri["met"] is True and len(tri["cells"]) == 4
+    assert graph["mbu_batch1_long"] == [0.62] and graph["mbu_median_large"] is None
     assert "e2e_gpu_memory" not in s and s["e2e_cpu_memory"][0]["vs_hf"] == 0.9
     md = (tmp_path / "gpu_check.md").read_text()
     assert "Median MBU" in md and "86%" in md and "NEO" in md
+    assert "triton_graph" in md and "batch 1, ctx >= 8192: 62%" in md
     assert s["cuda_graph_gain_cpu_memory"] == {"8": 1.4}
     assert "cpu_memory: batch 8 1.40x" in md
     assert s["polling_gain_cpu_memory"] == {"8": 1.1} and "Device-side polling: cpu_memory: batch 8 1.10x" in md
-    assert not math.isnan(s["kernels"]["cells"][0]["mbu"])
+    assert not math.isnan(tri["cells"][0]["mbu"])
 
 
 def test_report_names_blocking_calls_and_dropped_setups(tmp_path):

@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run via test_triton_interpreter.py)",
                 allow_module_level=True)
 
-from kernel_cases import assert_matches, random_case  # noqa: E402
+from kernel_cases import assert_matches, make_spec, random_case  # noqa: E402
 from lamina.kernels import backend_for, merge_states_ref, paged_attention_ref  # noqa: E402
 from lamina.kernels.triton_attention import paged_attention_triton  # noqa: E402
 from lamina.kernels.triton_merge import merge_states_triton  # noqa: E402
@@ -142,3 +142,48 @@ def test_triton_merge_part_blocks_and_row_blocks(S, T, H):
     o, lse = merge_states_triton(os_, lses)
     torch.testing.assert_close(lse.double(), exp_lse, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(o.double(), exp_o, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case_id", range(len(CASES)))
+def test_graphed_padded_launch_matches_reference(case_id, monkeypatch):
+    """The graph path's padded plan (powers of two, no-op work items, static buffers), run
+    eagerly by the interpreter: each call a new layer (pools), each case a new step."""
+    from lamina.kernels import triton_attention, triton_graphs
+    monkeypatch.setattr(triton_attention, "DEFAULT_KV_CHUNK", 16)
+    H, Hkv, window, softcap, dtype, _, max_ctx = CASES[case_id]
+    case = random_case(900 + case_id, num_heads=H, num_kv_heads=Hkv, head_dim=16, dtype=dtype,
+                       num_requests=(1, 5), max_ctx=max_ctx, max_q=6, window=window,
+                       softcap=softcap)
+    for layer in range(2):
+        args = list(case.args())
+        if layer:
+            args[0:3] = [torch.randn_like(t.float()).to(dtype) for t in args[0:3]]
+        ref_o, ref_lse = paged_attention_ref(*args)
+        o, lse = triton_graphs.paged_attention_graphed(*args)
+        assert_matches(o, lse, ref_o, ref_lse, dtype)
+
+
+def test_graphed_family_is_reused_across_steps_and_reloaded(monkeypatch):
+    """Decode steps whose contexts grow by one share a padded family (its buffers and graphs);
+    each step's indices are uploaded before its first call, so no step sees the last one's."""
+    from lamina.kernels import plan_cache, triton_attention, triton_graphs
+    monkeypatch.setattr(triton_attention, "DEFAULT_KV_CHUNK", 16)
+    plan_cache.clear()
+    triton_graphs.clear()
+    gen = torch.Generator().manual_seed(3)
+    R, S, H, Hkv, D = 3, 400, 6, 2, 16
+    spec = make_spec(H, Hkv, D)
+    k_pool, v_pool = (torch.randn(S, Hkv, D, generator=gen) for _ in range(2))
+    perm = torch.randperm(S, generator=gen)
+    lens = [70, 90, 100]
+    for step in range(4):
+        kv_len = torch.tensor([n + step for n in lens])
+        kv_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), kv_len.cumsum(0)])
+        qo_indptr = torch.arange(R + 1)
+        kv_indices = perm[:int(kv_indptr[-1])]
+        q_positions = kv_len - 1
+        args = (torch.randn(R, H, D, generator=gen), k_pool, v_pool, qo_indptr, kv_indptr,
+                kv_indices, q_positions, torch.zeros(R, dtype=torch.int64), spec)
+        o, lse = triton_graphs.paged_attention_graphed(*args)
+        assert_matches(o, lse, *paged_attention_ref(*args), torch.float32)
+    assert len(triton_graphs._LOCAL.families) == 1

@@ -42,6 +42,18 @@ def test_read_back_runs_the_same_slices(arch, tmp_path):
     assert (tmp_path / "s" / "slices" / "slice_0.py").read_text().lstrip().startswith("def forward")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_16_bit_split_reads_back(arch, tmp_path):
+    """In bfloat16 the rotary table's buffer is cast by an op that reads no input: tracing back
+    must keep it an op on the buffer (a folded constant would name no saved tensor)."""
+    sm = split_model(tiny_model(arch).to(torch.bfloat16))
+    back = SplitModel.load(sm.save(tmp_path / "s"))
+    for gm in back.slices:
+        assert not any(n.op == "get_attr" and "_tensor_constant" in n.target
+                       for n in gm.graph.nodes)
+    assert torch.equal(_logits(back), _logits(sm))
+
+
 def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
     model = tiny_model("llama")
     model.lm_head.weight = model.model.embed_tokens.weight  # tie them
