@@ -8,6 +8,9 @@ one pass over *all* the weights (as a decode step does: they do not fit in cache
 * ``W @ x^T``: the skinny fallback of :mod:`lamina.computenode.cpu_linear`;
 * ``cpp``: ``ext.skinny_linear`` on weights packed by ``ext.pack_linear_weight``;
 
+* ``q8_0`` / ``gguf``: ``ext.quant_linear`` on GGUF blocks (float32 runs only): every weight in
+  Q8_0, and the builtin GGUF's mix (Q4_1 layers, a Q8_0 LM head), random blocks of those shapes;
+
 and a sequential read of the same number of bytes (``tensor.sum``) as the bandwidth baseline.
 Prints GB/s of weights streamed and GFLOP/s, saves bench/results/linear_cpu.{json,md}.
 
@@ -36,6 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from lamina.kernels import cpp_ext  # noqa: E402
 
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
+QBYTES = {3: 20, 8: 34}  # bytes per block of 32 weights: Q4_1, Q8_0
 SHAPES = ([(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN),
            (INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)])
 
@@ -68,6 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     weights = [(torch.randn(n, k, generator=g) / k ** 0.5).to(dtype) for n, k in SHAPES]
     packed = [ext.pack_linear_weight(w) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
+    quant = {}  # method -> [(blocks, ggml type, N)]: random blocks, the speed is the same
+    if dtype == torch.float32:
+        def blocks(n: int, k: int, kind: int) -> tuple:
+            return (torch.randint(0, 256, (n, k // 32 * QBYTES[kind]), dtype=torch.uint8,
+                                  generator=g), kind, n)
+        quant["q8_0"] = [blocks(n, k, 8) for n, k in SHAPES]
+        quant["gguf"] = [blocks(n, k, 8 if n == VOCAB else 3) for n, k in SHAPES]
     flat = torch.randn(nbytes // 4, generator=g)
     copy_s = _time(lambda: flat.sum(), args.reps)
     rows = []
@@ -82,14 +93,22 @@ def main(argv: list[str] | None = None) -> None:
              "wxt": _time(lambda: [torch.mm(w, xd[w.shape[1]].t()) for w in weights], args.reps),
              "cpp": _time(lambda: [ext.skinny_linear(xs[w.shape[1]], p, w.shape[0], None)
                                    for w, p in zip(weights, packed)], args.reps)}
+        for name, layers in quant.items():
+            t[name] = _time(lambda: [ext.quant_linear(xs[b.shape[1] // QBYTES[kind] * 32], b,
+                                                      kind, None) for b, kind, _ in layers],
+                            args.reps)
         flops = sum(2 * m * n * k for n, k in SHAPES)
         row = {"rows": m, **{f"{k}_ms": 1e3 * v for k, v in t.items()},
                "cpp_gb_s": nbytes / t["cpp"] / 1e9, "cpp_gflop_s": flops / t["cpp"] / 1e9,
                "copy_gb_s": nbytes / copy_s / 1e9, "speedup_vs_linear": t["linear"] / t["cpp"]}
+        for name, layers in quant.items():
+            row[f"{name}_gb_s"] = sum(b.nbytes for b, _, _ in layers) / t[name] / 1e9
+            row[f"{name}_vs_cpp"] = t["cpp"] / t[name]
         rows.append(row)
         print(f"{m:3d} {row['linear_ms']:12.1f} {row['wxt_ms']:9.1f} {row['cpp_ms']:7.1f} "
-              f"{row['cpp_gb_s']:9.1f} {row['cpp_gflop_s']:12.0f} {row['speedup_vs_linear']:12.2f}x",
-              flush=True)
+              f"{row['cpp_gb_s']:9.1f} {row['cpp_gflop_s']:12.0f} {row['speedup_vs_linear']:12.2f}x"
+              + "".join(f"  {n} {row[n + '_ms']:.1f} ms ({row[n + '_gb_s']:.1f} GB/s, "
+                        f"{row[n + '_vs_cpp']:.2f}x cpp)" for n in quant), flush=True)
     meta = {"threads": args.threads, "dtype": args.dtype, "weights_mb": nbytes / 1e6,
             "copy_gb_s": nbytes / copy_s / 1e9,
             "simd": ext.simd_features(), "torch": torch.__version__,
@@ -99,11 +118,13 @@ def main(argv: list[str] | None = None) -> None:
              f"Kernels compiled for: {meta['simd']}.", "",
              f"Sequential read of the same bytes: {meta['copy_gb_s']:.1f} GB/s. Best of "
              f"{args.reps} passes.", "",
-             "| rows | F.linear ms | W @ x^T ms | cpp ms | cpp GB/s | cpp GFLOP/s | cpp vs F.linear |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| rows | F.linear ms | W @ x^T ms | cpp ms | cpp GB/s | cpp GFLOP/s | cpp vs F.linear |"
+             + "".join(f" {n} ms | {n} GB/s | {n} vs cpp |" for n in quant),
+             "|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * 3 * len(quant)]
     lines += [f"| {r['rows']} | {r['linear_ms']:.1f} | {r['wxt_ms']:.1f} | {r['cpp_ms']:.1f} | "
               f"{r['cpp_gb_s']:.1f} | {r['cpp_gflop_s']:.0f} | {r['speedup_vs_linear']:.2f}x |"
-              for r in rows]
+              + "".join(f" {r[n + '_ms']:.1f} | {r[n + '_gb_s']:.1f} | {r[n + '_vs_cpp']:.2f}x |"
+                        for n in quant) for r in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "linear_cpu" + ("" if args.dtype == "float32" else f"_{args.dtype}")
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -5,6 +5,7 @@ venv under ``.peers/``, made by ``bash scripts/peers-setup.sh``):
 
 * ``lamina-inproc``: ``LLM("smollm2", placement="inproc", device="cpu:0-1")``: every role in
   one process, its compute on both cores (the process owns both, two torch threads);
+* ``lamina-gguf``: lamina-inproc, ``kernels="gguf"``: few-row linear calls on the GGUF's blocks;
 * ``lamina-procs``: ``LLM("smollm2", placement="procs", memory=1, device="cpu:0",
   memory_device="cpu:1")``: the compute replica on core 0, one memory node (KV + attention) in
   its own process on core 1;
@@ -24,12 +25,10 @@ as token ids to every engine (no tokeniser involved, no BOS added); decoding is 
 (temperature 0) for exactly the asked number of new tokens (EOS ignored). All requests of a
 workload are submitted at once, at time 0.
 
-How each engine's child times its tokens, and what TTFT, prefill end, decode tok/s and start-up
-are: :mod:`bench.peers_child` (``bench/peers_child.py``).
+How a child times its tokens (TTFT, prefill end, decode tok/s, start-up): ``bench/peers_child.py``.
 
-Rounds: in each round every engine runs once (a fresh process, all workloads), the engines'
-order rotating by one each round, so the machine's slow and fast moments hit every engine
-alike; default 2 rounds. Reported: the best round (decode tok/s highest, TTFT and start-up
+Rounds: every engine once per round (a fresh process, all workloads), their order rotating
+by one each round; default 2. Reported: the best round (decode tok/s highest, TTFT and start-up
 lowest) and the spread, (best - worst) / best over the rounds. **Greedy agreement** with
 ``lamina-inproc``: the fraction of generated tokens (position by position, all requests) equal
 to lamina-inproc's in the same round; ``prefix`` in the JSON is the mean fraction of each
@@ -40,12 +39,12 @@ of 5, counted as STREAM counts Copy: bytes read + bytes written, per second) wit
 with every core, and lamina's batch-1 decode time per token against (weight bytes / copy
 bandwidth), the time it would take only to stream its float32 weights once (a lower bound).
 
-A child that fails, or an engine whose venv is missing, gives a row saying why; nothing is
-asserted about speed. Writes ``bench/results/peers_cpu.{md,json}``.
+A child that fails or lacks its venv gives a row saying why; nothing is asserted about speed.
+Writes ``bench/results/peers_cpu.{md,json}``.
 
-    bash scripts/peers-setup.sh                 # venvs and weights under .peers/ (once)
-    python bench/peers.py                       # every engine, every workload, 2 rounds
-    python bench/peers.py --engines lamina-inproc llamacpp-f32 --workloads 1x200->64 --rounds 1
+    bash scripts/peers-setup.sh   # venvs and weights under .peers/ (once)
+    python bench/peers.py         # every engine, every workload, 2 rounds (or --engines,
+                                  # --workloads, --rounds 1: a subset)
 """
 from __future__ import annotations
 
@@ -82,9 +81,10 @@ def engines(cores: tuple[int, ...] | None = None) -> dict[str, dict]:
     llama_py = str(PEERS / "llamacpp" / "bin" / "python")
     vllm_py = str(PEERS / "vllm" / "bin" / "python")
     hf = str(WEIGHTS / "smollm2-hf")
+    inproc = dict(placement="inproc", device=both)
     return {
-        "lamina-inproc": dict(kind="lamina", python=sys.executable, settings=dict(
-            placement="inproc", device=both)),
+        "lamina-inproc": dict(kind="lamina", python=sys.executable, settings=inproc),
+        "lamina-gguf": dict(kind="lamina", python=sys.executable, settings={**inproc, "kernels": "gguf"}),
         "lamina-procs": dict(kind="lamina", python=sys.executable, settings=dict(
             placement="procs", memory=1, device=f"cpu:{cores[0]}", memory_device=f"cpu:{last}")),
         "llamacpp-f32": dict(kind="llamacpp", python=llama_py, venv="llamacpp", settings=dict(

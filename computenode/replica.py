@@ -6,6 +6,8 @@ business: the replica core (:mod:`lamina.computenode.runner`) runs one slice at 
 output ``o[T,H,D]`` to the next slice.
 With ``cuda_graph_tokens > 0`` (a CUDA device only) every slice is captured as CUDA graphs for
 steps of up to that many tokens and replayed there (:mod:`lamina.computenode.cuda_graphs`).
+``gguf_blocks`` (:func:`lamina.computenode.gguf_linear.read_blocks`; CPU only): the linear
+layers' decode-sized calls run on a GGUF's own quantised blocks.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from lamina.computenode.cpu_linear import fused_kernels, use_skinny_linear
 from lamina.computenode.cuda_graphs import SliceGraphs, capture_sizes
 from lamina.computenode.fast_ops import flatten_constants, use_fast_ops
 from lamina.computenode.fused_ops import fuse_small_ops
+from lamina.computenode.gguf_linear import use_gguf_linear
 from lamina.computenode.sampling import Sampler
 from lamina.splitter import SplitModel
 from lamina.types import SamplingParams, StepPlan
@@ -22,9 +25,12 @@ from lamina.types import SamplingParams, StepPlan
 
 class ComputeReplica:
     def __init__(self, split: SplitModel, device: torch.device | str = "cpu",
-                 sampler: Sampler | None = None, cuda_graph_tokens: int = 0):
+                 sampler: Sampler | None = None, cuda_graph_tokens: int = 0,
+                 gguf_blocks: dict | None = None):
         self.split = split
         self.device = torch.device(device)
+        if gguf_blocks is not None and self.device.type != "cpu":
+            raise ValueError("the 'gguf' linear kernels run on CPU replicas only")
         self.sampler = sampler or Sampler()
         fused = fused_kernels() if self.device.type == "cpu" else None
         for gm in split.slices:
@@ -33,6 +39,8 @@ class ComputeReplica:
             use_fast_ops(gm)
             if self.device.type == "cpu":
                 use_skinny_linear(gm)
+                if gguf_blocks is not None:  # after packing: calls of many rows use the panels
+                    use_gguf_linear(gm, gguf_blocks)
             flatten_constants(gm)  # last: the slice is on its device, its panels made
         self.graphs: SliceGraphs | None = None
         if cuda_graph_tokens > 0:  # raises where the device cannot capture them

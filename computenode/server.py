@@ -39,6 +39,7 @@ import torch
 
 from lamina import stages
 from lamina.computenode.polling import eager_module_loading, make_polling
+from lamina.computenode.gguf_linear import blocks_for
 from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.runner import MicroBatch, SliceRunner
 from lamina.config import KernelConfig, PipelineConfig, use_kernels
@@ -101,7 +102,8 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
                 return load_model(cfg.model, dtype=dtype, device=cfg.device).model
         split = load_split(cfg.model, dtype, cfg.device, load)
         with stages.stage("replica"):
-            replica = ComputeReplica(split, cfg.device, cuda_graph_tokens=cfg.cuda_graph_tokens)
+            replica = ComputeReplica(split, cfg.device, cuda_graph_tokens=cfg.cuda_graph_tokens,
+                                     gguf_blocks=blocks_for(cfg.model, cfg.device))
     except Exception as e:  # report it to the engine, which is waiting for a PING reply
         error = e
     else:

@@ -1,8 +1,10 @@
 """The C++ CPU kernels: build, cache, call. One extension holds the paged-attention kernel
 (``kernels/csrc/paged_attention_cpu.cpp``) and the decode-sized linear layer
 (``kernels/csrc/skinny_linear_cpu.cpp``: ``pack_linear_weight`` / ``skinny_linear``, used by
-:mod:`lamina.computenode.cpu_linear`) and the slices' fused small ops (``kernels/csrc/fused_cpu.cpp``:
-``rms_norm``, ``silu_mul``, ``rope``, used by :mod:`lamina.computenode.fused_ops`);
+:mod:`lamina.computenode.cpu_linear`), the linear layer over GGUF-quantised weights
+(``kernels/csrc/quant_linear_cpu.cpp``: ``quant_linear`` for Q4_0, Q4_1 and Q8_0 blocks) and the
+slices' fused small ops (``kernels/csrc/fused_cpu.cpp``: ``rms_norm``, ``silu_mul``, ``rope``,
+used by :mod:`lamina.computenode.fused_ops`);
 ``bindings.cpp`` exposes them (without the GIL).
 
 :func:`paged_attention_cpp` has the contract of :func:`lamina.kernels.reference.paged_attention_ref`
@@ -37,7 +39,8 @@ __all__ = ["CFLAGS", "SOURCES", "HEADERS", "load", "available", "build_error", "
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp",
-                                          "fused_cpu.cpp", "bindings.cpp"))
+                                          "quant_linear_cpu.cpp", "fused_cpu.cpp",
+                                          "bindings.cpp"))
 HEADERS = (_CSRC / "simd.h",)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -31,8 +31,9 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
     "device_polling": ("replicas queue each next slice behind a device flag that the attention "
                        "results release (cuda: needs cupy; emulated: CPU stand-in)", POLLING),
     "kernels": ("what every role computes with, by one name: the attention backend; torch also "
-                "means torch linear layers, the Python ring and ATTEND path (default: "
-                "$LAMINA_KERNELS, else auto)", ATTENTION_KERNELS),
+                "means torch linear layers, the Python ring and ATTEND path; gguf: the defaults "
+                "with a GGUF model's linear layers on its own quantised blocks (default: "
+                "$LAMINA_KERNELS, else auto)", (*ATTENTION_KERNELS, "gguf")),
     "micro_batches": ("micro-batches in flight (default: 1; compute+1 when rotational)", None),
     "pipeline": ("staggered pipelining schedule (default: rotational when more than one "
                  "micro-batch or replica)", SCHEDULES),

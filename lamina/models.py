@@ -69,6 +69,18 @@ def _alias_gguf(alias: str) -> Path:
     return path
 
 
+def gguf_file(name: str | os.PathLike) -> Path:
+    """The GGUF file model ``name`` (a builtin alias or a ``.gguf`` path) is read from."""
+    s = str(name)
+    if s in BUILTIN_ALIASES:
+        return _alias_gguf(s)
+    path = Path(s).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ModelLoadError(f"model {s!r} is not a GGUF file or a builtin alias: the 'gguf' linear "
+                         "kernels read a GGUF's own blocks")
+
+
 def materialize_alias(alias: str) -> Path:
     """Convert the alias's GGUF to a cached safetensors folder once; return the folder."""
     out = cache_dir() / alias

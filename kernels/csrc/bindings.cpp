@@ -22,6 +22,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias, const at::Tensor& panels,
                          int64_t max_rows, int64_t max_rows_same);
 
+// quant_linear_cpu.cpp
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                        const c10::optional<at::Tensor>& bias);
+
 // fused_cpu.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& a, const at::Tensor& b);
@@ -54,6 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "packed_linear(x[..., K], weight[N, K], bias|None, panels, max_rows, max_rows_same) -> "
         "F.linear(x, weight, bias): skinny_linear on the panels up to max_rows rows of float32 x "
         "(max_rows_same of x in the weight's dtype), at::linear otherwise", nogil);
+  m.def("quant_linear", &quant_linear,
+        "quant_linear(x[..., K] float32, blocks[N, K/32 * bytes] uint8, ggml type (Q4_0 2, "
+        "Q4_1 3, Q8_0 8), bias) -> y[..., N] float32", nogil);
   m.def("rms_norm", &rms_norm, "rms_norm(x[..., D], w[D], eps) -> w * (x * rsqrt(mean(x^2, -1) + eps))", nogil);
   m.def("silu_mul", &silu_mul, "silu_mul(a, b) -> silu(a) * b", nogil);
   m.def("rope", &rope,

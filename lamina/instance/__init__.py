@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from lamina.computenode.polling import make_polling
+from lamina.computenode.gguf_linear import blocks_for
 from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.server import ReplicaConfig
@@ -77,10 +78,11 @@ _LAST_INFO: dict[tuple, ModelInfo] = {}  # the last model split in this process 
 def load_model_info(config: DeploymentConfig) -> ModelInfo:
     """Load and split the model once, on the compute device. A process that starts several
     instances of one model in a row (a benchmark's setups, a test module) splits it once: the
-    last split is kept, keyed by the model's name, dtype and device (slices are pure; replicas
-    keep their state outside them)."""
+    last split is kept, keyed by the model's name, dtype, device and linear kernel choice (an
+    in-process replica rewrites its slices' linear nodes for that choice, in place)."""
     device = parse(config.instance.device).torch
-    key = (str(config.model.model), config.model.torch_dtype, str(device))
+    key = (str(config.model.model), config.model.torch_dtype, str(device),
+           config.instance.kernels.linear)
     if key not in _LAST_INFO:
         _LAST_INFO.clear()  # at most one model held beyond its instances' lives
         _LAST_INFO[key] = _load_model_info(config.model.model, config.model.torch_dtype, device)
@@ -200,7 +202,8 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         sampler = Sampler()
         split = info.split  # read here (timed as the split's own stage) when not yet read
         with stage("compute replicas"):
-            replicas = [ComputeReplica(split, d.torch, sampler, graph_tokens)
+            blocks = blocks_for(config.model.model, replica_devs[0].torch)
+            replicas = [ComputeReplica(split, d.torch, sampler, graph_tokens, blocks)
                         for d in replica_devs]
         polling = make_polling(icfg.device_polling, replica_devs[0].torch,
                                icfg.pipeline.micro_batches, config.scheduler.max_num_batched_tokens)

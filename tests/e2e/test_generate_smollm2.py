@@ -1,7 +1,8 @@
 """The builtin SmolLM2: greedy outputs of 8 prompts as one batch are token-identical to HF
 generate (float32), with every role in this process, with the compute replica and 3 memory
-nodes as processes (shm), and with requests spanning two memory nodes. Also chat through the
-tokenizer's chat template."""
+nodes as processes (shm), with requests spanning two memory nodes, and with the linear layers
+on the GGUF's own Q4_1 / Q8_0 blocks (in process and as processes; a lone prompt too, whose
+decode steps all run on the blocks). Also chat through the tokenizer's chat template."""
 import pytest
 
 from lamina import LLM, SamplingParams
@@ -19,6 +20,8 @@ SETUPS = {
     "memory1-inproc": dict(memory=1, placement="inproc"),
     "memory3-procs": dict(memory=3, placement="procs", transport="shm"),
     "spans-two-nodes": dict(memory=2, placement="inproc", kv_cache_tokens=36),
+    "gguf-inproc": dict(memory=1, placement="inproc", kernels="gguf"),
+    "gguf-procs": dict(memory=1, placement="procs", kernels="gguf"),
 }
 
 
@@ -41,6 +44,10 @@ def test_smollm2_greedy_matches_hf(reference, setup):
         assert got == want
         for o, w in zip(outs, want):
             assert o.outputs[0].text == loaded.tokenizer.decode(w, skip_special_tokens=True)
+        if setup.startswith("gguf"):  # one request: every decode step on the blocks
+            one = llm.generate(TEXTS[:1], SamplingParams(temperature=0, max_tokens=MAX_NEW),
+                               use_tqdm=False)[0]
+            assert one.outputs[0].token_ids == want[0]
         if setup == "spans-two-nodes":
             assert max(req.max_shards for req, _, _ in llm._last) == 2
         if setup == "memory1-inproc":

@@ -1,0 +1,150 @@
+"""The slices' linear layers on a GGUF's own quantised blocks (the ``gguf`` linear kernel choice).
+
+A GGUF model is loaded (by transformers) with its weights dequantised to float32. With
+``KernelConfig(linear="gguf")`` a CPU replica also reads the file's blocks of the linear
+weights it supports (Q4_0, Q4_1, Q8_0: ``kernels/csrc/quant_linear_cpu.cpp``) and runs
+decode-sized calls on them: 0.56-1.06 bytes a weight where float32 streams 4. The kernel
+dequantises each block in registers to exactly the float32 values transformers loaded, so
+outputs differ from the float32 model's by float rounding only (the order of the sums).
+
+* :func:`read_blocks` maps a LLaMA-architecture GGUF's tensors to transformers' parameter
+  names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; the token
+  embedding also stands for a tied ``lm_head.weight``) and undoes llama.cpp's row permutation
+  of the query and key weights (the rotary layout), as transformers does for the floats.
+* :func:`use_gguf_linear` points each packed linear node (:func:`~lamina.computenode.cpu_linear.
+  use_skinny_linear`) whose weight has blocks at :func:`gguf_linear`: calls of up to
+  :data:`QUANT_ROWS` rows run on the blocks, larger ones on the float32 panels, as before.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import fx
+
+from lamina.computenode.fast_ops import constant
+from lamina.config import kernels_in_use
+from lamina.kernels import cpp_ext
+
+SUPPORTED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type -> name (quant_linear's kinds)
+QUANT_ROWS = 4  # up to this many rows the blocks beat the float32 panels (bench/linear.py)
+_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+       "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+       "ffn_down": "mlp.down_proj"}
+_ext = None
+
+
+class GGUFLinearError(ValueError):
+    """The model cannot run its linear layers on GGUF blocks (not a GGUF, another
+    architecture, no supported blocks)."""
+
+
+def _unpermute(rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's query/key permutation (transformers'
+    ``_reverse_permute_weights`` applied to row indices)."""
+    idx = np.arange(rows)
+    return idx.reshape(n_head, rows // n_head // 2, 2).swapaxes(2, 1).reshape(rows)
+
+
+def read_blocks(path: str | Path) -> dict[str, tuple[int, torch.Tensor]]:
+    """transformers parameter name -> ``(ggml type, blocks uint8 [N, K / 32 * bytes])`` for
+    each linear weight of the GGUF at ``path`` in a :data:`SUPPORTED` type."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(name: str):
+        f = reader.fields.get(name)
+        return None if f is None else f.parts[f.data[0]].tolist()[0]
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch != "llama":
+        raise GGUFLinearError(f"{path}: GGUF linear kernels read LLaMA-architecture files; this "
+                              f"one is {arch!r}")
+    heads, kv_heads = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
+    names = {t.name for t in reader.tensors}
+    out: dict[str, tuple[int, torch.Tensor]] = {}
+    for t in reader.tensors:
+        kind = int(t.tensor_type)
+        if kind not in SUPPORTED or t.data.ndim != 2:
+            continue
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            hf = ["model.embed_tokens.weight"] + ([] if "output.weight" in names
+                                                  else ["lm_head.weight"])
+        elif t.name == "output.weight":
+            hf = ["lm_head.weight"]
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _HF:
+            hf = [f"model.layers.{parts[1]}.{_HF[parts[2]]}.weight"]
+        else:
+            continue
+        blocks = np.asarray(t.data)
+        if parts[-2] in ("attn_q", "attn_k"):
+            blocks = blocks[_unpermute(blocks.shape[0], heads if parts[-2] == "attn_q"
+                                       else kv_heads)]
+        tensor = torch.from_numpy(np.array(blocks, copy=True))  # owned: the file is mapped
+        for name in hf:
+            out[name] = (kind, tensor)
+    if not out:
+        raise GGUFLinearError(f"{path}: no linear weight in a supported block type "
+                              f"({', '.join(SUPPORTED.values())})")
+    return out
+
+
+def blocks_for(model: str, device: torch.device | str) -> dict | None:
+    """The blocks a replica of ``model`` on ``device`` runs on: :func:`read_blocks` of the
+    model's GGUF where this process's ``linear`` kernel choice is ``gguf`` (an error on a
+    non-CPU device or a model that is no GGUF), else None."""
+    if kernels_in_use().linear != "gguf":
+        return None
+    if torch.device(device).type != "cpu":
+        raise GGUFLinearError("the 'gguf' linear kernels run on CPU replicas only")
+    from lamina.models import gguf_file
+    return read_blocks(gguf_file(model))
+
+
+def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                panels: torch.Tensor, max_rows: int, max_rows_same: int, blocks: torch.Tensor,
+                kind: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: on ``blocks`` for float32 calls of up to
+    :data:`QUANT_ROWS` rows, else ``packed_linear`` on the float32 panels."""
+    if x.dtype == torch.float32 and x.numel() <= QUANT_ROWS * x.shape[-1]:
+        return _ext.quant_linear(x, blocks, kind, bias)
+    return _ext.packed_linear(x, weight, bias, panels, max_rows, max_rows_same)
+
+
+def use_gguf_linear(gm: fx.GraphModule, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
+    """Point ``gm``'s packed linear nodes whose weight (a constant named after transformers'
+    parameter, under any prefix) has ``blocks`` at :func:`gguf_linear`, checking shapes. In
+    place, recompiled; returns how many nodes were changed."""
+    global _ext
+    ext = cpp_ext.load()
+    if ext is None:
+        raise GGUFLinearError(f"GGUF linear kernels need the C++ extension: "
+                              f"{cpp_ext.build_error()}")
+    _ext = ext
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not ext.packed_linear:
+            continue
+        w_node = node.args[1]
+        weight = constant(gm, w_node)
+        name = next((k for k in blocks if isinstance(w_node, fx.Node) and w_node.op == "get_attr"
+                     and (w_node.target == k or w_node.target.endswith("." + k))), None)
+        if weight is None or name is None or weight.dtype != torch.float32:
+            continue
+        kind, b = blocks[name]
+        N, K = weight.shape
+        if b.shape[0] != N or b.shape[1] != K // 32 * {2: 18, 3: 20, 8: 34}[kind]:
+            raise GGUFLinearError(f"{name}: blocks {tuple(b.shape)} do not fit weight {N}x{K}")
+        attr = f"_lamina_blocks_{n}"
+        gm.register_buffer(attr, b, persistent=False)
+        with gm.graph.inserting_before(node):
+            b_node = gm.graph.get_attr(attr)
+        node.target = gguf_linear
+        node.args = (*node.args, b_node, kind)
+        n += 1
+    if n:
+        gm.recompile()
+    return n

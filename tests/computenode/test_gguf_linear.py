@@ -1,0 +1,92 @@
+"""Linear layers on a GGUF's own blocks: the builtin GGUF's blocks are exactly transformers'
+weights, and a slice's packed linear nodes run on them (few rows) or on the panels (many)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import fx
+
+from lamina.computenode import cpu_linear
+from lamina.computenode.gguf_linear import (QUANT_ROWS, GGUFLinearError, blocks_for, read_blocks,
+                                            use_gguf_linear)
+from lamina.config import KernelConfig, use_kernels
+from lamina.models import ModelLoadError
+from lamina.kernels import cpp_ext
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(cpp_ext.load() is None, reason="the C++ extension does not build")
+
+
+def _builtin_gguf():
+    from lamina.models import _alias_gguf
+    try:
+        return _alias_gguf("smollm2")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+def test_builtin_blocks_are_transformers_weights_bit_for_bit():
+    from lamina.models import load_model
+    blocks = read_blocks(_builtin_gguf())
+    params = dict(load_model("smollm2").model.named_parameters(remove_duplicate=False))
+    assert len(blocks) == 7 * 30 + 2  # every linear weight, the embedding and the tied head
+    assert {kind for kind, _ in blocks.values()} == {3, 8}  # Q4_1 layers, a Q8_0 embedding
+    for name, (kind, b) in blocks.items():
+        w = params[name].detach()
+        deq = gguf.quants.dequantize(b.numpy(), gguf.GGMLQuantizationType(kind))
+        assert torch.equal(torch.from_numpy(deq.reshape(w.shape)), w), name
+
+
+class _Two(torch.nn.Module):
+    """Two linear layers under transformers-like names."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.q = torch.nn.Linear(w1.shape[1], w1.shape[0], bias=False)
+        self.d = torch.nn.Linear(w2.shape[1], w2.shape[0], bias=True)
+        self.q.weight.data, self.d.weight.data = w1, w2
+
+    def forward(self, x):
+        return torch.ops.aten.linear.default(
+            torch.ops.aten.linear.default(x, self.q.weight), self.d.weight, self.d.bias)
+
+
+def _q8(w: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
+
+
+@pytest.mark.parametrize("rows", [1, QUANT_ROWS, QUANT_ROWS + 3])
+def test_a_slice_runs_on_the_blocks_or_the_panels(rows):
+    g = torch.Generator().manual_seed(rows)
+    raw = [torch.randn(96, 64, generator=g), torch.randn(40, 96, generator=g)]
+    b1, b2 = _q8(raw[0]), _q8(raw[1])
+    deq = [torch.from_numpy(gguf.quants.dequantize(b.numpy(), gguf.GGMLQuantizationType.Q8_0))
+           .reshape(r.shape) for b, r in zip((b1, b2), raw)]
+    gm = fx.symbolic_trace(_Two(*deq))
+    assert cpu_linear.use_skinny_linear(gm, pack=True) == 2
+    assert use_gguf_linear(gm, {"q.weight": (8, b1), "d.weight": (8, b2)}) == 2
+    x = torch.randn(rows, 64, generator=g)
+    want = torch.nn.functional.linear(torch.nn.functional.linear(x.double(), deq[0].double()),
+                                      deq[1].double(), gm.d.bias.double())
+    torch.testing.assert_close(gm(x).double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_blocks_that_do_not_fit_are_refused():
+    gm = fx.symbolic_trace(_Two(torch.randn(96, 64), torch.randn(40, 96)))
+    cpu_linear.use_skinny_linear(gm, pack=True)
+    with pytest.raises(GGUFLinearError, match="do not fit"):
+        use_gguf_linear(gm, {"q.weight": (8, _q8(torch.randn(32, 64)))})
+
+
+def test_only_the_gguf_choice_reads_blocks_and_only_for_a_gguf_on_cpu():
+    previous = use_kernels(KernelConfig())
+    try:
+        assert blocks_for("smollm2", "cpu") is None
+        use_kernels(KernelConfig.named("gguf"))
+        with pytest.raises(GGUFLinearError, match="CPU"):
+            blocks_for("smollm2", "cuda:0")
+        with pytest.raises(ModelLoadError, match="not a GGUF"):
+            blocks_for("lamina.models:smollm2_shaped", "cpu")
+    finally:
+        use_kernels(previous)
