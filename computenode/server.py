@@ -1,6 +1,5 @@
-"""A compute replica in its own process, one of ``N`` that run a micro-batch schedule together
-(staggered pipelining); the same code under every placement (a process of
-its own, a Ray actor). The engine side is :class:`lamina.instance.procs.RemoteReplicas`.
+"""A compute replica in its own process or Ray actor, one of ``N`` that run a micro-batch
+schedule together (staggered pipelining); the engine side is ``instance.procs.RemoteReplicas``.
 
 Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no pickle):
 
@@ -13,18 +12,17 @@ Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no 
   sends micro-batch j's PREPARE; whoever runs slice k sends layer k's ATTENDs with ``reply_to``
   the peer id of replica ``replica_for(j, k+1)`` (``peer_base`` + its index: unique across
   instances that share a node), so the nodes' RESULTs arrive straight at that replica.
-* **prev / next**: the context of a micro-batch moves to the next replica as a CONTEXT
-  message while its attention runs (``layer`` = the slice it feeds; meta: value names and
-  the number of ATTEND parts per node to wait for).
+* **prev / next**: a micro-batch's context moves to the next replica as a CONTEXT message while
+  its attention runs (``layer``: the slice it feeds; meta: value names, ATTEND parts per node).
 
 The main thread receives on the engine's and the nodes' links itself where they are shm rings
 (one native wait over those rings and the inbox, :class:`~lamina.transport.waitset.WaitSet`: a
 RESULT wakes the thread that merges it); every other inbound channel has a reader thread that
 puts messages into the inbox. The main thread files each message under its step and runs every
 slice whose context and attention results have arrived (oldest micro-batch first). A failing
-node or peer fails every micro-batch in flight with an ERROR to the engine; the replica keeps serving (the engine decides the rest).
-With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays here has
-its next slice pre-launched once its ATTENDs are sent, behind a device flag its results move.
+node or peer fails every micro-batch in flight with an ERROR to the engine, which decides the
+rest. With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays here
+has its next slice pre-launched once its ATTENDs are sent, behind a device flag its results move.
 """
 from __future__ import annotations
 
@@ -102,8 +100,8 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
                 return load_model(cfg.model, dtype=dtype, device=cfg.device).model
         split = load_split(cfg.model, dtype, cfg.device, load)
         with stages.stage("replica"):
-            replica = ComputeReplica(split, cfg.device, cuda_graph_tokens=cfg.cuda_graph_tokens,
-                                     gguf_blocks=blocks_for(cfg.model, cfg.device))
+            replica = ComputeReplica(split, cfg.device, None, cfg.cuda_graph_tokens,
+                                     blocks_for(cfg.model, cfg.device))
     except Exception as e:  # report it to the engine, which is waiting for a PING reply
         error = e
     else:

@@ -38,7 +38,8 @@ import torch
 import triton
 
 from lamina.kernels import plan_cache
-from lamina.kernels.triton_attention import _LaunchPlan, host_plan, launch, paged_attention_triton
+from lamina.kernels.triton_attention import launch, paged_attention_triton
+from lamina.kernels.triton_plan import _LaunchPlan, host_plan
 from lamina.types import AttentionSpec
 
 MAX_GRAPH_TOKENS = 512  # larger calls (prefill chunks) run eagerly: few, and device-bound

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from lamina.kernels import triton_attention as ta  # noqa: E402
+from lamina.kernels import triton_plan as ta  # noqa: E402
 from lamina.kernels.triton_merge import merge_blocks  # noqa: E402
 
 GPU = torch.device("cuda:7")  # a device object only; its SM count is seeded below

@@ -148,8 +148,8 @@ def test_triton_merge_part_blocks_and_row_blocks(S, T, H):
 def test_graphed_padded_launch_matches_reference(case_id, monkeypatch):
     """The graph path's padded plan (powers of two, no-op work items, static buffers), run
     eagerly by the interpreter: each call a new layer (pools), each case a new step."""
-    from lamina.kernels import triton_attention, triton_graphs
-    monkeypatch.setattr(triton_attention, "DEFAULT_KV_CHUNK", 16)
+    from lamina.kernels import triton_graphs, triton_plan
+    monkeypatch.setattr(triton_plan, "DEFAULT_KV_CHUNK", 16)
     H, Hkv, window, softcap, dtype, _, max_ctx = CASES[case_id]
     case = random_case(900 + case_id, num_heads=H, num_kv_heads=Hkv, head_dim=16, dtype=dtype,
                        num_requests=(1, 5), max_ctx=max_ctx, max_q=6, window=window,
@@ -166,8 +166,8 @@ def test_graphed_padded_launch_matches_reference(case_id, monkeypatch):
 def test_graphed_family_is_reused_across_steps_and_reloaded(monkeypatch):
     """Decode steps whose contexts grow by one share a padded family (its buffers and graphs);
     each step's indices are uploaded before its first call, so no step sees the last one's."""
-    from lamina.kernels import plan_cache, triton_attention, triton_graphs
-    monkeypatch.setattr(triton_attention, "DEFAULT_KV_CHUNK", 16)
+    from lamina.kernels import plan_cache, triton_graphs, triton_plan
+    monkeypatch.setattr(triton_plan, "DEFAULT_KV_CHUNK", 16)
     plan_cache.clear()
     triton_graphs.clear()
     gen = torch.Generator().manual_seed(3)
