@@ -15,7 +15,8 @@
 // over the dequantised weights by float rounding only.
 //
 // quant_linear(x[M,K] float32, blocks[N, K/32 * bytes] uint8, kind, bias?) -> y[M,N] float32.
-// Threads split the output rows (at::parallel_for).
+// Threads split the output rows (at::parallel_for). KMR_ROWS (default 8, LAMINA_CPP_CFLAGS
+// -DKMR_ROWS=n for an A/B) rows of x share one dequantisation of a weight row.
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/ATen.h>
@@ -33,8 +34,11 @@
 
 namespace {
 
+#ifndef KMR_ROWS
+#define KMR_ROWS 8
+#endif
 constexpr int64_t kQK = 32;  // weights per block
-constexpr int kMR = 4;       // rows of x per pass over a weight row
+constexpr int kMR = KMR_ROWS;  // rows of x per pass over a weight row
 
 int64_t block_bytes(int64_t kind) {
   switch (kind) {
@@ -166,6 +170,16 @@ inline void row_dot(const float* x, int64_t ldx, const uint8_t* wrow, int64_t KB
 }
 #endif
 
+// row_dot for the last r < kMR rows (R counts down to the matching instantiation).
+template <int KIND, int R>
+inline void tail(int64_t r, const float* x, int64_t ldx, const uint8_t* wrow, int64_t KB,
+                 int64_t bb, float* y, int64_t ldy, float bias) {
+  if constexpr (R > 0) {
+    if (r == R) return row_dot<KIND, R>(x, ldx, wrow, KB, bb, y, ldy, bias);
+    tail<KIND, R - 1>(r, x, ldx, wrow, KB, bb, y, ldy, bias);
+  }
+}
+
 template <int KIND>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* wq, int64_t N, const float* bias,
          float* y) {
@@ -178,12 +192,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* wq, int64_t N, con
       const float b = bias ? bias[n] : 0.f;
       int64_t m = 0;
       for (; m + kMR <= M; m += kMR) row_dot<KIND, kMR>(x + m * K, K, wrow, KB, bb, y + m * N + n, N, b);
-      switch (M - m) {
-        case 3: row_dot<KIND, 3>(x + m * K, K, wrow, KB, bb, y + m * N + n, N, b); break;
-        case 2: row_dot<KIND, 2>(x + m * K, K, wrow, KB, bb, y + m * N + n, N, b); break;
-        case 1: row_dot<KIND, 1>(x + m * K, K, wrow, KB, bb, y + m * N + n, N, b); break;
-        default: break;
-      }
+      if (m < M) tail<KIND, kMR - 1>(M - m, x + m * K, K, wrow, KB, bb, y + m * N + n, N, b);
     }
   });
 }
