@@ -8,6 +8,8 @@ measured in the same run:
   (``placement="procs"``);
 * ``lamina-graphs`` (``--cuda-graphs``, CUDA only): the in-process setup with the dense slices
   replayed as CUDA graphs; its ``vs_lamina-inproc`` is the CUDA-graph gain;
+* ``lamina-procs-graphs`` (``--cuda-graphs`` too): the processes setup with graphs; its
+  ``vs_lamina-graphs`` is processes / in process, both with graphs (issue 41's GPU row);
 * ``lamina-polling`` (``--device-polling``, CUDA + cupy): the processes setup with each next
   slice pre-launched behind a device flag; its ``vs_lamina-procs`` is that gain.
 
@@ -40,7 +42,7 @@ from tqdm import tqdm
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("hf", "lamina-inproc", "lamina-procs")
-OPTIONAL = ("lamina-graphs", "lamina-polling")  # a failure is reported, the others go on
+OPTIONAL = ("lamina-graphs", "lamina-procs-graphs", "lamina-polling")  # a failure is reported
 
 
 def _why(e: BaseException) -> str:
@@ -83,7 +85,7 @@ def stats(times: dict[str, list[float]], batch: int) -> list[dict]:
         med = statistics.median(ts)
         row = {"batch": batch, "system": n, "ms_per_token": 1e3 * med, "tok_per_s": batch / med,
                "step_ms": [round(1e3 * t, 2) for t in ts]}
-        for base in ("hf", "lamina-inproc", "lamina-procs"):  # paired: round i of n against round i of base
+        for base in ("hf", "lamina-inproc", "lamina-procs", "lamina-graphs"):  # paired rounds
             if base != n and base in times:
                 row[f"vs_{base}"] = statistics.median(b / t for t, b in zip(ts, times[base]))
         rows.append(row)
@@ -120,6 +122,7 @@ def main() -> None:
             "lamina-procs": LLM(args.model, memory=args.memory, placement="procs", **kw)}
     failed: dict[str, str] = {}  # optional system -> why it was dropped
     options = {"lamina-graphs": (args.cuda_graphs, dict(placement="inproc", cuda_graphs=True)),
+               "lamina-procs-graphs": (args.cuda_graphs, dict(placement="procs", cuda_graphs=True)),
                "lamina-polling": (args.device_polling, dict(placement="procs", device_polling="cuda"))}
     for name, (on, extra_kw) in options.items():
         if on:
@@ -155,6 +158,7 @@ def main() -> None:
     by = {(r["batch"], r["system"]): r for r in rows}
     extra = [(name, base, title) for name, base, title in (
         ("lamina-graphs", "lamina-inproc", "graphs / in-process"),
+        ("lamina-procs-graphs", "lamina-graphs", "procs / in-process, both with graphs"),
         ("lamina-polling", "lamina-procs", "polling / processes"))
         if all((b, name) in by for b in args.batches)]
     lines = ["| batch | HF tok/s | Lamina in-process tok/s | Lamina processes tok/s | "

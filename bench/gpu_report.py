@@ -82,6 +82,10 @@ def summarise(d: Path) -> dict:
             poll = {r["batch"]: r.get("vs_lamina-procs") for r in e["rows"] if r["system"] == "lamina-polling"}
             if poll:
                 out[f"polling_gain_{layout}"] = poll
+            both = {r["batch"]: r.get("vs_lamina-graphs") for r in e["rows"]
+                    if r["system"] == "lamina-procs-graphs"}
+            if both:  # issue 41: >= 0.9x
+                out[f"procs_vs_inproc_graphs_{layout}"] = both
     gains = {k: v for k, v in out.items() if k.startswith("cuda_graph_gain_")}
     out["cuda_graphs"] = ("; ".join(f"{k.removeprefix('cuda_graph_gain_')}: " + ", ".join(
         f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None) for k, v in gains.items())
@@ -123,6 +127,12 @@ def markdown(s: dict) -> str:
                 lines.append(f"| {r['batch']} | {r['system']} | {r['tok_per_s']:.1f} | "
                              f"{r['ms_per_token']:.2f} | {'-' if vs is None else f'{vs:.2f}x'} |")
     lines += ["", f"CUDA graphs: {s['cuda_graphs']}.", "", f"Device-side polling: {s['device_polling']}.", ""]
+    for k, v in s.items():
+        if k.startswith("procs_vs_inproc_graphs_"):
+            lines += [f"Processes / in process, both with graphs "
+                      f"({k.removeprefix('procs_vs_inproc_graphs_')}): " + ", ".join(
+                          f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None)
+                      + " (target 0.9x).", ""]
     lines += [f"Dropped from a decode run: {f}" for f in s.get("failed", [])]
     return "\n".join(lines)
 

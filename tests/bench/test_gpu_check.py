@@ -39,7 +39,9 @@ def test_report_summarises_the_steps(tmp_path):
         {"batch": 8, "system": "lamina-graphs", "tok_per_s": 150.0, "ms_per_token": 53.0, "vs_hf": 1.3,
          "vs_lamina-inproc": 1.4},
         {"batch": 8, "system": "lamina-polling", "tok_per_s": 110.0, "ms_per_token": 72.0, "vs_hf": 1.0,
-         "vs_lamina-procs": 1.1}]}))
+         "vs_lamina-procs": 1.1},
+        {"batch": 8, "system": "lamina-procs-graphs", "tok_per_s": 140.0, "ms_per_token": 57.0,
+         "vs_hf": 1.2, "vs_lamina-graphs": 0.93}]}))
     assert gpu_report.main([str(tmp_path)]) == 0
     s = json.loads((tmp_path / "gpu_check.json").read_text())
     assert s["steps"]["e2e_gpu_memory"]["rc"] == "1" and s["steps"]["e2e_cpu_memory"]["rc"] == "not run"
@@ -53,6 +55,8 @@ def test_report_summarises_the_steps(tmp_path):
     assert "triton_graph" in md and "batch 1, ctx >= 8192: 62%" in md
     assert s["cuda_graph_gain_cpu_memory"] == {"8": 1.4}
     assert "cpu_memory: batch 8 1.40x" in md
+    assert s["procs_vs_inproc_graphs_cpu_memory"] == {"8": 0.93}
+    assert "Processes / in process, both with graphs (cpu_memory): batch 8 0.93x" in md
     assert s["polling_gain_cpu_memory"] == {"8": 1.1} and "Device-side polling: cpu_memory: batch 8 1.10x" in md
     assert not math.isnan(tri["cells"][0]["mbu"])
 
