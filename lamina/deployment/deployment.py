@@ -24,9 +24,11 @@ a Ray actor lost), the step that noticed it raises :class:`~lamina.errors.NodeFa
 deployment stops what is left of that instance, starts a fresh one in its place (``restart``,
 given by :func:`~lamina.deployment.start_deployment`) and hands it the unfinished requests,
 which recompute their KV from prompt + tokens generated so far: no request is lost and greedy
-output is the same as without the fault. Only when the restart itself fails does the instance
-leave the router, ending its requests with the error (and if it was the last, the error
-propagates).
+output is the same as without the fault. Any other error of a step (a bug, an unexpected
+reply) restarts the instance the same way, but its requests in flight end with that error
+(one of them may be its cause: recomputing them could fail again and again); the waiting ones
+go on. Only when the restart itself fails does the instance leave the router, ending its
+requests with the error (and if it was the last, the error propagates).
 
 Loans whose space the debtor no longer uses go back to the creditor after every round. A
 memory node serves its own replicas, every debtor replica that borrowed from it, and the
@@ -173,8 +175,11 @@ class Deployment(KVMoves):
             return
         try:
             fn(out)
-        except NodeFailure as e:
-            if self._recover(inst, e, out):
+        except Exception as e:  # noqa: BLE001 - a dead role, or any other error of the step
+            suspect = not isinstance(e, NodeFailure)
+            if suspect:
+                log.exception("instance %d: a step failed", inst.inst_id)
+            if self._recover(inst, e, out, fail_running=suspect):
                 return
             if self.restart is None and all(x.failed is not None for x in self.instances
                                             if x is not inst):
@@ -202,8 +207,10 @@ class Deployment(KVMoves):
             log.warning("instance %d serves again", inst.inst_id)
         return revived
 
-    def _recover(self, inst: Instance, error: NodeFailure, out: StepOutput) -> bool:
-        """Replace broken instance ``inst`` by a fresh one that adopts its unfinished requests;
+    def _recover(self, inst: Instance, error: Exception, out: StepOutput,
+                 fail_running: bool = False) -> bool:
+        """Replace broken instance ``inst`` by a fresh one that adopts its unfinished requests
+        (with ``fail_running``, only the waiting ones: the running ones end with ``error``);
         False (nothing changed but ``inst`` stopped) when there is no ``restart`` or it fails."""
         if self.restart is None:
             return False
@@ -223,6 +230,11 @@ class Deployment(KVMoves):
             if req is not None and not req.finished:
                 old.scheduler.finish(req, "error")
                 req.error = err
+                out.finished.append(req)
+        if fail_running:
+            for req in [r for r in old.scheduler.running if not r.finished]:
+                old.scheduler.finish(req, "error")
+                req.error = RuntimeError(f"instance {inst.inst_id}: a step failed: {error!r}")
                 out.finished.append(req)
         pending = [r for r in list(old.scheduler.running) + list(old.scheduler.waiting)
                    if not r.finished]

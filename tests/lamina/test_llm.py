@@ -136,3 +136,31 @@ def test_a_request_finished_in_the_failing_step_stays_readable_after_a_restart(f
         assert d.request(req.req_id) is req
         d.forget(req.req_id)
         assert d.request(req.req_id) is None
+
+
+def test_an_unexpected_step_error_ends_the_running_requests_and_the_rest_go_on(folder, monkeypatch):
+    """Not a dead role but a bug in a step (here: a slice that raises once): the instance is
+    restarted, its requests in flight end with the error, the waiting one completes, identical
+    to a run without the fault, and later requests are served."""
+    from lamina.computenode.replica import ComputeReplica
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(folder, kv_cache_tokens=64, max_num_seqs=1) as llm:
+        want = llm.generate([[9, 8, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+        d = llm.deployment
+        running = d.add_request([5, 6, 7], params)
+        waiting = d.add_request([9, 8, 7], params)  # max_num_seqs=1: waits for the first
+        d.step()
+        real, calls = ComputeReplica.run_slice, []
+
+        def once(self, k, values):
+            if not calls:
+                calls.append(k)
+                raise RuntimeError("a bug in a slice")
+            return real(self, k, values)
+        monkeypatch.setattr(ComputeReplica, "run_slice", once)  # the restarted one too
+        while d.has_work():
+            d.step()
+        assert calls and d.recoveries == 1
+        assert running.finish_reason == "error" and "a bug in a slice" in str(running.error)
+        assert waiting.error is None and waiting.output_ids == want
+        assert llm.generate([[9, 8, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == want
