@@ -125,6 +125,19 @@ inline void quants(const uint8_t* b, Vec::R (&q)[kNV]) {
 
 template <int KIND>
 inline void dequant(const uint8_t* b, Vec::R (&w)[kNV]) {
+#if LAMINA_AVX512
+  if (KIND != 8) {  // a block's 16 possible weights as a table, looked up by nibble (vpermps
+    // reads the low 4 bits of each index: no masking); the same products and sums as below
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec::R d = Vec::set1(half(b));
+    const Vec::R table = KIND == 3 ? Vec::add(Vec::mul(d, iota), Vec::set1(half(b + 2)))
+                                   : Vec::mul(d, Vec::sub(iota, Vec::set1(8.f)));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (KIND == 3 ? 4 : 2)));
+    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(raw), table);
+    w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(raw, 4)), table);
+    return;
+  }
+#endif
   quants<KIND>(b, w);
   const Vec::R d = Vec::set1(half(b));
   if (KIND == 3) {
