@@ -36,10 +36,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from lamina.computenode.gguf_linear import BLOCK_BYTES  # noqa: E402
 from lamina.kernels import cpp_ext  # noqa: E402
 
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
-QBYTES = {3: 20, 8: 34}  # bytes per block of 32 weights: Q4_1, Q8_0
 SHAPES = ([(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN),
            (INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)])
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     quant = {}  # method -> [(blocks, ggml type, N)]: random blocks, the speed is the same
     if dtype == torch.float32:
         def blocks(n: int, k: int, kind: int) -> tuple:
-            return (torch.randint(0, 256, (n, k // 32 * QBYTES[kind]), dtype=torch.uint8,
+            return (torch.randint(0, 256, (n, k // 32 * BLOCK_BYTES[kind]), dtype=torch.uint8,
                                   generator=g), kind, n)
         quant["q8_0"] = [blocks(n, k, 8) for n, k in SHAPES]
         quant["gguf"] = [blocks(n, k, 8 if n == VOCAB else 3) for n, k in SHAPES]
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
              "cpp": _time(lambda: [ext.skinny_linear(xs[w.shape[1]], p, w.shape[0], None)
                                    for w, p in zip(weights, packed)], args.reps)}
         for name, layers in quant.items():
-            t[name] = _time(lambda: [ext.quant_linear(xs[b.shape[1] // QBYTES[kind] * 32], b,
+            t[name] = _time(lambda: [ext.quant_linear(xs[b.shape[1] // BLOCK_BYTES[kind] * 32], b,
                                                       kind, None) for b, kind, _ in layers],
                             args.reps)
         flops = sum(2 * m * n * k for n, k in SHAPES)

@@ -28,6 +28,7 @@ from lamina.config import kernels_in_use
 from lamina.kernels import cpp_ext
 
 SUPPORTED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type -> name (quant_linear's kinds)
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # bytes per block of 32 weights, per ggml type
 QUANT_ROWS = 4  # up to this many rows the blocks beat the float32 panels (bench/linear.py)
 _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -136,7 +137,7 @@ def use_gguf_linear(gm: fx.GraphModule, blocks: dict[str, tuple[int, torch.Tenso
             continue
         kind, b = blocks[name]
         N, K = weight.shape
-        if b.shape[0] != N or b.shape[1] != K // 32 * {2: 18, 3: 20, 8: 34}[kind]:
+        if b.shape[0] != N or b.shape[1] != K // 32 * BLOCK_BYTES[kind]:
             raise GGUFLinearError(f"{name}: blocks {tuple(b.shape)} do not fit weight {N}x{K}")
         attr = f"_lamina_blocks_{n}"
         gm.register_buffer(attr, b, persistent=False)

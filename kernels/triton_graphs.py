@@ -235,26 +235,23 @@ def paged_attention_graphed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     :func:`~lamina.kernels.triton_attention.paged_attention_triton`. Device indptrs, more than
     :data:`MAX_GRAPH_TOKENS` queries, a stream that is capturing, or pools whose last dim is
     strided run the eager kernel."""
+    args = (q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec)
     T, H, D = q.shape
-    host = qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu"
-    if not host or T > MAX_GRAPH_TOKENS or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 \
-            or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return paged_attention_triton(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
-                                      q_positions, kv_start_pos, spec)
     Hkv = k_pool.shape[1]
-    if H != spec.num_heads or Hkv != spec.num_kv_heads or D != spec.head_dim \
-            or k_pool.shape[2] != D or v_pool.shape != k_pool.shape \
-            or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype \
-            or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        # the eager path states what is wrong
-        return paged_attention_triton(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
-                                      q_positions, kv_start_pos, spec)
-    dev = q.device
-    key = ("triton_graph", T, Hkv, spec.group_size, D, dev, qo_indptr.dtype, kv_indptr.dtype)
-    plan = _plan_for(key, qo_indptr, kv_indptr, T, Hkv, spec.group_size, D, dev)
-    if not plan:
-        return paged_attention_triton(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
-                                      q_positions, kv_start_pos, spec)
+    eligible = qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu" \
+        and T <= MAX_GRAPH_TOKENS and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 \
+        and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) \
+        and (H, Hkv, D) == (spec.num_heads, spec.num_kv_heads, spec.head_dim) \
+        and k_pool.shape[2] == D and v_pool.shape == k_pool.shape \
+        and k_pool.dtype == v_pool.dtype == q.dtype \
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    plan = False
+    if eligible:  # (else the eager path runs it, or states what is wrong)
+        dev = q.device
+        key = ("triton_graph", T, Hkv, spec.group_size, D, dev, qo_indptr.dtype, kv_indptr.dtype)
+        plan = _plan_for(key, qo_indptr, kv_indptr, T, Hkv, spec.group_size, D, dev)
+    if not plan:  # not eligible, or no work
+        return paged_attention_triton(*args)
     N = kv_indices.numel()
     fkey = (plan.shape, H, Hkv, D, q.dtype, spec.scale, spec.softcap, spec.window, dev)
     families = _LOCAL.families
