@@ -1,7 +1,8 @@
 """The report of ``scripts/gpu-check.sh``: one JSON and one markdown table from its folder.
 
 Reads what the script's steps wrote (``environment.txt``, ``<step>.log``/``.rc``,
-``kernels_cuda.json``, ``gpu_memory/e2e_cuda.json``, ``cpu_memory/e2e_cuda.json``) and writes
+``kernels_cuda.json``, ``gpu_memory/e2e_cuda.json``, ``cpu_memory/e2e_cuda.json``,
+``neo_cuda.json``) and writes
 ``gpu_check.json`` and ``gpu_check.md`` next to them. Targets (README "Hardware"): Triton decode
 MBU >= 85 % of the device's spec bandwidth on H100 (judged on the cells with batch >= 32 and
 context >= 2048, where the KV read dominates); CUDA graphs removing launch overhead at batch
@@ -19,7 +20,8 @@ import sys
 from pathlib import Path
 
 PROBES = ("polling_probe_lazy", "polling_probe_eager")
-STEPS = (*PROBES, "pytest_gpu", "kernels", "e2e_gpu_memory", "e2e_cpu_memory")
+STEPS = (*PROBES, "pytest_gpu", "kernels", "e2e_gpu_memory", "e2e_cpu_memory", "neo")
+NEO_TARGET = 1.3  # issue 41: NEO's layout / the GPU alone where the GPU's KV does not fit
 MBU_TARGET = 0.85
 
 
@@ -86,6 +88,10 @@ def summarise(d: Path) -> dict:
                     if r["system"] == "lamina-procs-graphs"}
             if both:  # issue 41: >= 0.9x
                 out[f"procs_vs_inproc_graphs_{layout}"] = both
+    neo = _read_json(d / "neo_cuda.json")
+    if neo:
+        out["neo"] = {"offload_vs_alone": neo["offload_vs_alone"], "ratios": neo["ratios"],
+                      "fits_alone": neo["meta"]["fits_alone"], "target": NEO_TARGET}
     gains = {k: v for k, v in out.items() if k.startswith("cuda_graph_gain_")}
     out["cuda_graphs"] = ("; ".join(f"{k.removeprefix('cuda_graph_gain_')}: " + ", ".join(
         f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None) for k, v in gains.items())
@@ -133,6 +139,10 @@ def markdown(s: dict) -> str:
                       f"({k.removeprefix('procs_vs_inproc_graphs_')}): " + ", ".join(
                           f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None)
                       + " (target 0.9x).", ""]
+    if s.get("neo"):
+        n = s["neo"]
+        lines += [f"NEO's layout / the GPU alone, the GPU's pool holding {100 * n['fits_alone']:.0f} % "
+                  f"of the KV: {n['offload_vs_alone']:.2f}x (target {n['target']}x).", ""]
     lines += [f"Dropped from a decode run: {f}" for f in s.get("failed", [])]
     return "\n".join(lines)
 

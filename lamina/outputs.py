@@ -17,7 +17,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """One request's result. ``error`` holds the ValueError (bad input) or other exception that
-    ended it; the other requests of the same call are unaffected."""
+    ended it; the other requests of the same call are unaffected. ``num_preemptions``: how often
+    its KV was dropped for room and recomputed."""
 
     request_id: int
     prompt: str | None
@@ -25,6 +26,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     error: Exception | None = None
+    num_preemptions: int = 0
 
 
 @dataclass

@@ -9,7 +9,9 @@
 #                                         then on the GPU), each against HF on the GPU, and
 #                                         in-process with vs without CUDA graphs, processes
 #                                         with vs without device-side polling
-#   4. bench/gpu_report.py               (one JSON + one markdown table of all of it)
+#   4. bench/neo.py --device cuda:0      (NEO's layout against the GPU alone where the GPU's
+#                                         pool holds a quarter of the KV: issue 41's last row)
+#   5. bench/gpu_report.py               (one JSON + one markdown table of all of it)
 # Output: $OUT/gpu_check/ when $OUT is set (the device tool's folder), else
 # bench/results/gpu_check/. Exit status: 0 all steps ran, 1 a step failed, 2 no GPU.
 # Model: the builtin smollm2 where its GGUF is installed, else `lamina.models:smollm2_shaped`
@@ -81,5 +83,7 @@ fi
 step kernels python bench/kernels.py --device cuda "${KQ[@]}" --out "$DIR"
 step e2e_cpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory-device cpu --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/cpu_memory"
 step e2e_gpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/gpu_memory"
+NQ=(); [ "${GPU_CHECK_QUICK:-0}" = 1 ] && NQ=(--quick)
+step neo python bench/neo.py --model "$MODEL" --device cuda:0 --memory-device "cpu:2-$(($(nproc) - 1))" --cuda-graphs "${NQ[@]}" --out "$DIR"
 step report python bench/gpu_report.py "$DIR"
 exit $status

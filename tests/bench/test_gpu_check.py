@@ -42,6 +42,8 @@ def test_report_summarises_the_steps(tmp_path):
          "vs_lamina-procs": 1.1},
         {"batch": 8, "system": "lamina-procs-graphs", "tok_per_s": 140.0, "ms_per_token": 57.0,
          "vs_hf": 1.2, "vs_lamina-graphs": 0.93}]}))
+    (tmp_path / "neo_cuda.json").write_text(json.dumps({
+        "meta": {"fits_alone": 0.25}, "rows": [], "offload_vs_alone": 0.99, "ratios": [1.09, 0.89]}))
     assert gpu_report.main([str(tmp_path)]) == 0
     s = json.loads((tmp_path / "gpu_check.json").read_text())
     assert s["steps"]["e2e_gpu_memory"]["rc"] == "1" and s["steps"]["e2e_cpu_memory"]["rc"] == "not run"
@@ -57,6 +59,8 @@ def test_report_summarises_the_steps(tmp_path):
     assert "cpu_memory: batch 8 1.40x" in md
     assert s["procs_vs_inproc_graphs_cpu_memory"] == {"8": 0.93}
     assert "Processes / in process, both with graphs (cpu_memory): batch 8 0.93x" in md
+    assert s["neo"]["offload_vs_alone"] == 0.99
+    assert "NEO's layout / the GPU alone, the GPU's pool holding 25 % of the KV: 0.99x (target 1.3x)" in md
     assert s["polling_gain_cpu_memory"] == {"8": 1.1} and "Device-side polling: cpu_memory: batch 8 1.10x" in md
     assert not math.isnan(tri["cells"][0]["mbu"])
 
@@ -71,6 +75,8 @@ def test_report_names_blocking_calls_and_dropped_setups(tmp_path):
         "meta": {"failed": {"lamina-polling": "RuntimeError: a wait gave up"}},
         "rows": [{"batch": 8, "system": "lamina-procs", "tok_per_s": 100.0, "ms_per_token": 80.0,
                   "vs_hf": 0.9}]}))
+    (tmp_path / "neo_cuda.json").write_text(json.dumps({
+        "meta": {"fits_alone": 0.25}, "rows": [], "offload_vs_alone": 0.99, "ratios": [1.09, 0.89]}))
     assert gpu_report.main([str(tmp_path)]) == 0
     s = json.loads((tmp_path / "gpu_check.json").read_text())
     assert s["polling_probe_lazy"] == ["kernel launch (matmul) on stream B   2138.8 ms  BLOCKED by the wait",
