@@ -306,6 +306,7 @@ class RingChannel(Channel):
         with self._rx_lock:
             if self._closed:
                 raise ChannelClosed("channel is closed")
+            self._on_check()  # the tidying a Python receive does (a creator's names, once attached)
             if self._reader is None or self._rx.mirrored or self._dec.in_progress:
                 return None
             rx = self._rx

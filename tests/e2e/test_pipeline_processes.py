@@ -5,6 +5,7 @@ equals the in-process run, and a killed memory node or replica is replaced witho
 output and leaves no process behind. (tests/instance/test_placements.py covers the other pipelines under procs.)"""
 import os
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
@@ -118,3 +119,32 @@ def test_smollm2_process_replicas_rotational_matches_hf():
         outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
 
+
+
+KILL_AND_EXIT = '''
+import os, signal, sys, time
+from lamina import LLM, SamplingParams
+
+if __name__ == "__main__":
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(sys.argv[1], memory=1, placement="procs") as llm:
+        llm.generate([[5, 6, 7]], p, use_tqdm=False)
+        os.kill(llm.deployment.instances[0].nodes[0].process.pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert llm.generate([[5, 6, 7]], p, use_tqdm=False)[0].error is None
+'''
+
+
+def test_a_killed_node_leaves_no_resource_tracker_warning_at_exit(tiny, tmp_path):
+    """A dead node's shared-memory names are dropped by the replica that attached; the node
+    (the creator) must have dropped its resource-tracker registration once attached, or the
+    tracker warns about each at the engine's exit, on the user's terminal."""
+    import subprocess
+    import sys
+    folder, _ = tiny
+    script = tmp_path / "kill_and_exit.py"
+    script.write_text(KILL_AND_EXIT)
+    r = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resource_tracker" not in r.stderr, r.stderr[-3000:]
