@@ -10,7 +10,8 @@ default), until the trace is done or ``--kills`` were made. The deployment resta
 instance and its unfinished requests recompute their KV.
 
 Reports: requests completed and failed, greedy outputs identical to the baseline, kills,
-recoveries, tokens recomputed (KV lost with the node and prefilled again), wall time and
+recoveries (and how many were a memory node restarted alone), seconds from each kill to the
+instance serving again, tokens recomputed (KV lost with the node and prefilled again), wall time and
 per-request latency (p50, max) of both runs and their ratio. Writes
 bench/results/faults_cpu.{json,md}.
 
@@ -62,6 +63,7 @@ class Killer(threading.Thread):
         self.llm, self.every, self.max_kills, self.victims = llm, every, max_kills, victims
         self.done = threading.Event()
         self.kills: list[tuple[float, str]] = []
+        self.back: list[float] = []  # seconds from each kill to the instance serving again
 
     def victim(self) -> tuple[int, str]:
         inst = self.llm.deployment.instances[0]
@@ -83,9 +85,12 @@ class Killer(threading.Thread):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            self.kills.append((round(time.perf_counter() - t0, 2), role))
+            killed = time.perf_counter()
+            self.kills.append((round(killed - t0, 2), role))
             while dep.recoveries == seen and not self.done.is_set():  # restarted: serving again
-                time.sleep(0.05)
+                time.sleep(0.01)
+            if dep.recoveries != seen:
+                self.back.append(time.perf_counter() - killed)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -121,18 +126,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"baseline {base['wall']:.1f} s; faulted run (a memory node killed every "
               f"{a.kill_every:g} s of serving)", flush=True)
         rec0, tok0 = llm.deployment.recoveries, llm.deployment.recomputed_tokens
+        nodes0 = llm.deployment.node_restarts
         killer = Killer(llm, a.kill_every, a.kills, a.victims)
         killer.start()
         fault = run_trace(llm, prompts, params)
         killer.done.set()
         killer.join(30)
         recoveries = llm.deployment.recoveries - rec0
+        node_restarts = llm.deployment.node_restarts - nodes0
         recomputed = llm.deployment.recomputed_tokens - tok0
     completed = sum(r in ("length", "stop") for r in fault["reason"])
     res = dict(model=a.model, requests=len(prompts), memory_nodes=a.memory,
                kill_every_s=a.kill_every, kills=len(killer.kills),
-               killed=[dict(at_s=t, role=r) for t, r in killer.kills],
-               recoveries=recoveries, completed=completed,
+               killed=[dict(at_s=t, role=r, back_s=round(b, 2) if b is not None else None)
+                       for (t, r), b in zip(killer.kills, killer.back + [None] * len(killer.kills))],
+               recoveries=recoveries, node_restarts=node_restarts, completed=completed,
                failed=sum(r == "error" for r in fault["reason"]),
                identical=sum(x == y for x, y in zip(fault["tokens"], base["tokens"])),
                generated_tokens=sum(map(len, fault["tokens"])), recomputed_tokens=recomputed,
@@ -148,7 +156,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{a.kill_every:g} s of serving (at most {a.kills}): "
           + ", ".join(f"{r} at {t:g} s" for t, r in killer.kills) + ".", "",
           "| what | value |", "|---|---:|",
-          f"| kills / recoveries | {res['kills']} / {recoveries} |",
+          f"| kills / recoveries (memory nodes restarted alone) | {res['kills']} / {recoveries} "
+          f"({node_restarts}) |",
+          "| kill to serving again, s (each) | "
+          + (", ".join(f"{r}: {b:.1f}" for (_, r), b in zip(killer.kills, killer.back)) or "-")
+          + " |",
           f"| completed / failed | {completed} / {res['failed']} of {len(prompts)} |",
           f"| greedy outputs identical to the unfaulted run | {res['identical']} of {len(prompts)} |",
           f"| tokens generated / KV tokens recomputed | {res['generated_tokens']} / {recomputed} |",

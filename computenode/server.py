@@ -123,6 +123,7 @@ class ReplicaServer:
         self.ctrl = ctrl
         self.nodes: list = []
         self.next = None  # channel to replica index+1 (None: N == 1)
+        self.prev = None  # the link replica index-1 sends contexts on (None: N == 1)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: on the hot path
         self.slots: dict[int, int] = {}  # micro-batch slot -> its current step id
         self.early: dict[int, list[tuple[Any, Message]]] = {}  # messages before their STEP
@@ -147,6 +148,8 @@ class ReplicaServer:
     def _reader(self, source: Any, ch) -> None:
         """Put every message of ``ch`` (a channel, or a :class:`Listening` whose peer has yet
         to join) into the inbox, then the error that ended it."""
+        origin = ch
+
         def loop() -> None:
             try:
                 nonlocal ch
@@ -157,6 +160,9 @@ class ReplicaServer:
                     if self.waits is not None:
                         self.waits.post()
             except BaseException as e:  # noqa: BLE001 - reported to the main loop
+                if (self.nodes[source[1]] if isinstance(source, tuple) else
+                        self.prev if source == "previous" else origin) is not origin:
+                    return  # the link of a role that was replaced: its end is no failure
                 self.inbox.put((source, e))
                 if self.waits is not None:
                     self.waits.post()
@@ -249,15 +255,24 @@ class ReplicaServer:
             if msg.kind == MsgKind.OPEN:  # a channel for the previous replica's contexts
                 lst = listen(msg.meta.get("kind", "shm"), msg.meta.get("host", "127.0.0.1"),
                              spin_us=self.cfg.spin_us)
-                self.ctrl.send(codec.ok({"endpoint": lst.endpoint}))
+                reply = codec.ok({"endpoint": lst.endpoint})
+                reply.step_id = msg.step_id  # the engine may match it among its steps' replies
+                self.ctrl.send(reply)
+                self.prev, self.failure = lst, None  # (again: the previous replica restarted)
                 self._reader("previous", lst)
                 return True
             if msg.kind == MsgKind.CONNECT:
-                for ep in msg.meta["nodes"]:
-                    self.nodes.append(connect(ep, spin_us=self.cfg.spin_us))
-                    self._receive(("node", len(self.nodes) - 1), self.nodes[-1])
-                if msg.meta.get("next") is not None:
-                    self.next = connect(msg.meta["next"], spin_us=self.cfg.spin_us)
+                if msg.meta.get("at") is not None:  # a restarted node takes a dead one's place
+                    self._replace_node(int(msg.meta["at"]), msg.meta["nodes"][0])
+                else:
+                    for ep in msg.meta["nodes"]:
+                        self.nodes.append(connect(ep, spin_us=self.cfg.spin_us))
+                        self._receive(("node", len(self.nodes) - 1), self.nodes[-1])
+                if msg.meta.get("next") is not None:  # also: a restarted next replica's
+                    old, self.next = self.next, connect(msg.meta["next"], spin_us=self.cfg.spin_us)
+                    if old is not None:
+                        old.close()
+                    self.failure = None
                 reply = codec.ok()
                 reply.step_id = msg.step_id  # the engine may match it among its steps' replies
                 self.ctrl.send(reply)
@@ -276,6 +291,18 @@ class ReplicaServer:
             reply.step_id = msg.step_id  # a bad STEP fails that step
             self.ctrl.send(reply)
             return True
+
+    def _replace_node(self, k: int, endpoint: dict) -> None:
+        """Node ``k`` died and a new one (empty) took its place: join it instead and serve
+        steps again (the engine reset every micro-batch in flight first)."""
+        if not 0 <= k < len(self.nodes):
+            raise ValueError(f"no memory node {k} to replace (this replica has {len(self.nodes)})")
+        for i in [i for i, (source, _) in enumerate(self.direct) if source == ("node", k)]:
+            self._forget(i)
+        old, self.nodes[k] = self.nodes[k], connect(endpoint, spin_us=self.cfg.spin_us)
+        old.close()
+        self._receive(("node", k), self.nodes[k])
+        self.failure = None
 
     def _step(self, msg: Message) -> None:
         plan, routes, req_ids, params = parse_step(msg)

@@ -32,6 +32,9 @@ Semantics (the contract other components rely on):
 * **Steps.** A step's state is dropped after every layer has been attended once (layers in any
   order; attending a layer twice is an error). ``cancel(step_id)`` drops a step early and rolls
   its appends back (the slots return to the pool; a shard the step opened disappears).
+  ``cancel_steps(ids)`` does so for steps dropped in flight when a role died, and refuses a
+  later PREPARE of any of them (its PREPARE may still be on its way from a replica; the last
+  :data:`CANCELLED_KEPT` ids are remembered).
 * **free.** ``free(req_ids)`` ignores ids this node does not hold (the engine frees finished
   requests on every node) and returns the ids it freed. Freeing a busy request removes it at
   once; its slots go back to the pool when its step finishes or is cancelled, so the in-flight
@@ -44,6 +47,7 @@ Semantics (the contract other components rely on):
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
@@ -62,6 +66,7 @@ if TYPE_CHECKING:
     from lamina.memnode.native import NativePlane
 
 __all__ = ["MemoryNode", "OutOfSlots", "UnknownRequest", "UnknownStep", "RequestBusy"]
+CANCELLED_KEPT = 4096  # step ids a node refuses after cancel_steps (the newest)
 
 
 class UnknownRequest(LookupError):
@@ -108,6 +113,7 @@ class MemoryNode:
         self._windows = {s.window for s in self.specs}
         self._shards: dict[int, Shard] = {}
         self._steps: dict[int, StepState] = {}
+        self._cancelled: deque[int] = deque(maxlen=CANCELLED_KEPT)  # refused by prepare
         self._attend_ns = 0  # cumulative ATTEND time, reported by STATS
         self.plane: NativePlane | None = None  # a native data plane serving ATTENDs (see sync)
         self._attention = None  # the kernel for the pool's device, resolved at the first ATTEND
@@ -131,6 +137,8 @@ class MemoryNode:
         """
         if msg.step_id in self._steps:
             raise ValueError(f"step {msg.step_id} is already prepared on this node")
+        if msg.step_id in self._cancelled:
+            raise UnknownStep(f"step {msg.step_id} was cancelled on this node")
         works = list(msg.works)
         seen: set[int] = set()
         shards = [self._check_work(w, seen) for w in works]
@@ -249,6 +257,15 @@ class MemoryNode:
                 if sh.length == 0:
                     del self._shards[w.req_id]
         self._finish(step)
+
+    def cancel_steps(self, step_ids: Iterable[int]) -> None:
+        """Cancel each of ``step_ids`` that is prepared here, and refuse a later PREPARE of
+        any of them (a step dropped in flight, whose PREPARE may not have arrived yet)."""
+        for step_id in step_ids:
+            if step_id in self._steps:
+                self.cancel(step_id)
+            if step_id not in self._cancelled:
+                self._cancelled.append(step_id)
 
     # -- FREE / EXPORT / IMPORT / FORK ----------------------------------------------------------
     def free(self, req_ids: Iterable[int]) -> list[int]:

@@ -57,6 +57,9 @@ def handle(node: MemoryNode, msg: Message) -> Message:
                 node.free_range(*what)
                 return codec.ok()
             return codec.ok({"freed": node.free(what)})
+        if kind == MsgKind.CANCEL:
+            node.cancel_steps(codec.from_message(msg))
+            return codec.ok()
         if kind == MsgKind.STATS:
             return codec.to_message(node.stats())
         if kind == MsgKind.EXPORT:

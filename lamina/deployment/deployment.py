@@ -20,11 +20,15 @@ space flows between pools in two ways:
   instances decode, and only after the round switch the placement and free the source range.
 
 Recovery: when a role of an instance dies (a memory node or compute replica process killed,
-a Ray actor lost), the step that noticed it raises :class:`~lamina.errors.NodeFailure`; the
-deployment stops what is left of that instance, starts a fresh one in its place (``restart``,
-given by :func:`~lamina.deployment.start_deployment`) and hands it the unfinished requests,
-which recompute their KV from prompt + tokens generated so far: no request is lost and greedy
-output is the same as without the fault. Any other error of a step (a bug, an unexpected
+a Ray actor lost), the step that noticed it raises :class:`~lamina.errors.NodeFailure`. The
+deployment restarts only the dead role (:meth:`Deployment._heal`): the steps in flight are
+rolled back and re-run, a new memory node comes back empty and only the requests that had KV
+on the dead one recompute it, a new replica finds every request's KV where it was. Where that
+does not apply (borrowing on, nodes and replicas dead together, a role that hangs rather than
+dies) or fails, it stops what is left of the instance, starts a fresh one in its place
+(``restart``, given by :func:`~lamina.deployment.start_deployment`) and hands it the
+unfinished requests, which recompute their KV from prompt + tokens generated so far. Either
+way no request is lost and greedy output is the same as without the fault. Any other error of a step (a bug, an unexpected
 reply) restarts the instance the same way, but its requests in flight end with that error
 (one of them may be its cause: recomputing them could fail again and again); the waiting ones
 go on. Only when the restart itself fails does the instance leave the router, ending its
@@ -46,6 +50,7 @@ from lamina.deployment.borrowing import (GManager, GManagerClient, InstanceLoad,
                                         RequestPlacementEntry, start_gmanager)
 from lamina.config import DeploymentConfig
 from lamina.deployment.kv_moves import KVMove, KVMoves, Loan
+from lamina.deployment.recovery import heal
 from lamina.engine.engine import StepOutput
 from lamina.engine.request import Request
 from lamina.errors import NoCapacity, NodeFailure
@@ -80,9 +85,12 @@ class Deployment(KVMoves):
         self.config = config
         self.launcher = launcher  # closed last (a Ray launcher may own Ray)
         self.restart = restart  # inst_id -> a fresh instance (None: failures are final)
-        self.recoveries = 0  # instances restarted so far (after a role died)
+        self.recoveries = 0  # recoveries so far (a role died): whole instances or roles alone
         self.recovering = 0  # instances being restarted now (read by /health from another thread)
         self.recomputed_tokens = 0  # tokens whose KV was recomputed after a recovery
+        self.instance_restarts = 0  # whole instances restarted
+        self.node_restarts = 0  # memory nodes restarted alone (the rest of their instance ran on)
+        self.replica_restarts = 0  # compute replicas restarted alone
         self.slab = config.cache.slab_size
         self.borrowing = config.lends
         self.plan_every = config.plan_every
@@ -179,6 +187,8 @@ class Deployment(KVMoves):
             suspect = not isinstance(e, NodeFailure)
             if suspect:
                 log.exception("instance %d: a step failed", inst.inst_id)
+            elif self._heal(inst, out):
+                return
             if self._recover(inst, e, out, fail_running=suspect):
                 return
             if self.restart is None and all(x.failed is not None for x in self.instances
@@ -206,6 +216,25 @@ class Deployment(KVMoves):
             revived += 1
             log.warning("instance %d serves again", inst.inst_id)
         return revived
+
+    def _heal(self, inst: Instance, out: StepOutput) -> bool:
+        """Restart only what died of ``inst`` (:func:`~lamina.deployment.recovery.heal`);
+        False where that does not apply or failed (the whole instance then restarts). Not with
+        borrowing: a dead node may hold another instance's KV."""
+        if self.borrowing:
+            return False
+        self.recovering += 1
+        try:
+            healed = heal(inst, out)
+        finally:
+            self.recovering -= 1
+        if healed is None:
+            return False
+        self.recomputed_tokens += healed.lost_tokens
+        self.recoveries += 1
+        self.node_restarts += len(healed.nodes)
+        self.replica_restarts += len(healed.replicas)
+        return True
 
     def _recover(self, inst: Instance, error: Exception, out: StepOutput,
                  fail_running: bool = False) -> bool:
@@ -258,6 +287,7 @@ class Deployment(KVMoves):
             self._lend(new)
         self.instances[self.instances.index(inst)] = new
         self.recoveries += 1
+        self.instance_restarts += 1
 
     def _fail(self, inst: Instance, error: BaseException, out: StepOutput) -> None:
         """Instance ``inst`` is broken: its requests end with ``error``, its loans are void."""
@@ -395,3 +425,4 @@ class _Lender:
 
     def borrow(self, req: Request, num_slots: int) -> bool:
         return self.deployment.borrow(self.inst_id, req, num_slots)
+

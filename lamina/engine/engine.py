@@ -59,6 +59,7 @@ class Engine:
         self._steps = itertools.count(id_base)
         self._in_flight: dict[int, InFlight] = {}  # slot -> micro-batch
         self._aborted: dict[int, Exception] = {}  # req_id -> error, applied at completion
+        self.dropped: list[int] = []  # steps dropped in flight by a worker error, not yet cancelled
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -111,11 +112,22 @@ class Engine:
         try:
             done = self.worker.wait()
         except BaseException:
-            self.worker.reset()
-            self._in_flight.clear()
+            self._drop_in_flight()
             raise
         for slot, tokens in done:
             self._complete(self._in_flight.pop(slot), tokens, out)
+
+    def _drop_in_flight(self) -> None:
+        """Forget every micro-batch in flight (after an error): the replicas drop them, their
+        slot reservations go back to the scheduler, their step ids wait in :attr:`dropped`
+        for the nodes to roll back (:meth:`recover_nodes`)."""
+        if not self._in_flight:
+            return
+        self.worker.reset()
+        for mb in self._in_flight.values():
+            self.scheduler.unplace(mb.segs)
+        self.dropped += [mb.plan.step_id for mb in self._in_flight.values()]
+        self._in_flight.clear()
 
     def adopt(self, requests: list[Request], after: "Engine") -> None:
         """Take over the unfinished ``requests`` of engine ``after`` (whose replicas or nodes
@@ -132,6 +144,49 @@ class Engine:
             req.num_preemptions += 1
             self.requests[req.req_id] = req
             self.scheduler.waiting.append(req)
+
+    def recover(self, lost: set[int], out: StepOutput) -> int:
+        """After a role died and was replaced alone (memory nodes ``lost`` by empty ones, to
+        which the worker's clients already point; or a compute replica, ``lost`` empty): the
+        steps dropped in flight are cancelled on every node, requests aborted meanwhile end,
+        and each request with KV on a lost node frees the rest of its KV and goes back to the
+        queue to recompute; the others keep theirs. Returns the KV tokens to recompute."""
+        self._drop_in_flight()  # where the failure surfaced outside wait (a FREE, say)
+        if self.dropped:
+            self.worker.cancel(self.dropped)
+            self.dropped = []
+            self._trim(lost)
+        for req_id, error in list(self._aborted.items()):
+            del self._aborted[req_id]
+            req = self.requests.get(req_id)
+            if req is not None and not req.finished:
+                self.abort(req, error)
+                out.finished.append(req)
+        redo = [r for r in self.scheduler.running if any(s.node in lost for s in r.shards)]
+        tokens = sum(r.num_computed for r in redo)
+        for req in redo:
+            self.scheduler.preempt(req)
+        self._free([r.req_id for r in redo])
+        for k in lost:
+            if self.scheduler.free[k] != self.scheduler.capacity[k]:
+                raise RuntimeError(f"memory node {k} was replaced, yet the scheduler still "
+                                   f"places {self.scheduler.capacity[k] - self.scheduler.free[k]}"
+                                   " slots on it")
+        return tokens
+
+    def _trim(self, lost: set[int]) -> None:
+        """Make each surviving node hold no more of a request than the scheduler placed there:
+        a dropped step may have been attended in full on a node (its RESULTs then went
+        nowhere), which no cancel rolls back; its positions are freed from the shard's back."""
+        for k, st in enumerate(self.worker.stats()):
+            if k in lost:
+                continue
+            for req_id, (start, n) in st.shards.items():
+                req = self.requests.get(req_id)
+                mine = [s for s in req.shards if s.node == k] if req is not None else []
+                end = max(start, mine[0].end) if mine else start
+                if start + n > end:
+                    self.worker.nodes[k].free_range(req_id, end, start + n)
 
     def forget(self, req_id: int) -> None:
         """Drop a finished request from ``requests`` (its caller has read it)."""

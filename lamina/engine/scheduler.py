@@ -243,6 +243,26 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def unplace(self, segs: list[ScheduledSegment]) -> None:
+        """The step of ``segs`` was dropped before it ran: give back the slots it reserved
+        (each request's shards end where its computed KV ends again)."""
+        for seg in reversed(segs):
+            req = seg.req
+            for node, start, count in reversed(seg.appends):
+                tail = req.shards[-1] if req.shards else None
+                if tail is None or tail.node != node or tail.end != start + count:
+                    raise RuntimeError(f"request {req.req_id}: its shards do not end with the "
+                                       f"dropped step's appends {seg.appends}")
+                tail.length -= count
+                self.free[node] += count
+                if tail.length == 0:
+                    req.shards.pop()
+
+    def preempt(self, req: Request) -> None:
+        """Send a running request back to the front of the queue with no KV (recompute); the
+        caller frees its KV on the nodes."""
+        self._preempt(req)
+
     def commit(self, segs: list[ScheduledSegment]) -> None:
         """The step ran: the segments' tokens now have KV stored."""
         for s in segs:

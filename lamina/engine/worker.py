@@ -27,6 +27,7 @@ class WorkerClient(ABC):
     finishes, ``reset`` after an error. ``max_in_flight``: the most in flight at once so far."""
 
     max_in_flight: int = 0
+    nodes: list[NodeClient]  # the memory nodes' clients, in route order (own, then borrowed)
 
     @abstractmethod
     def submit(self, slot: int, plan: StepPlan, routes: list[NodeRoute], req_ids: list[int],
@@ -48,6 +49,20 @@ class WorkerClient(ABC):
     @abstractmethod
     def stats(self) -> list[NodeStats]:
         """STATS of every memory node."""
+
+    def dead_replicas(self) -> list[int]:
+        """Replicas whose process is gone (in the engine's process: none)."""
+        return []
+
+    def replace_replica(self, i: int) -> None:
+        """Start dead replica ``i`` again in its place (replicas out of the engine's process)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restart a replica alone")
+
+    def cancel(self, step_ids: list[int]) -> None:
+        """Roll back steps dropped in flight on every memory node (``nodes``), and have the
+        nodes refuse their PREPAREs from now on."""
+        for node in self.nodes:
+            node.cancel(step_ids)
 
     @abstractmethod
     def attach(self, client: NodeClient) -> int:

@@ -19,6 +19,7 @@ memory nodes, so instances that share a node (borrowing) never collide.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -146,6 +147,7 @@ class Instance:
     rmanager: Any = None  # a lamina.deployment.borrowing.RManager, with borrowing
     failed: BaseException | None = None
     retry_at: float = 0.0  # when failed: the monotonic time of the next restart attempt
+    restart_node: Callable[[int], None] | None = None  # start own node k again, empty (procs, ray)
 
     @property
     def scheduler(self):
@@ -154,6 +156,11 @@ class Instance:
     @property
     def own_nodes(self) -> int:
         return len(self.nodes)
+
+    def dead_nodes(self) -> list[int]:
+        """Own nodes whose process (or actor) is gone."""
+        return [k for k, n in enumerate(self.nodes)
+                if getattr(n, "process", None) is not None and not n.process.is_alive()]
 
     def load(self) -> int:
         s = self.scheduler
@@ -209,15 +216,21 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                                icfg.pipeline.micro_batches, config.scheduler.max_num_batched_tokens)
         worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline, polling)
         closers: list[Callable[[], None]] = [worker.close]
+        restart = None  # the nodes live and die with this process
     else:
-        from lamina.instance.procs import (RemoteReplicas, node_clients, spawn_memory_nodes,
-                                           stop_roles)
+        from lamina.instance.procs import (RemoteReplicas, node_clients, restart_node,
+                                           spawn_memory_nodes, stop_roles)
         spin, idle_spin = receiver_spin(replica_devs, node_devs,
                                         config.instances == 1 and icfg.spin)
-        starting = spawn_memory_nodes(launcher, info.specs, node_devs, cap, dtype=info.dtype,
-                                      slab_size=config.cache.slab_size,
+        node_spin = spin[len(replica_devs):]
+
+        def spawn_nodes(first: int = 0, count: int = icfg.memory):  # all, or one to restart
+            return spawn_memory_nodes(launcher, info.specs, node_devs[first:first + count], cap,
+                                      dtype=info.dtype, slab_size=config.cache.slab_size,
                                       transport=icfg.transport, num_threads=icfg.num_threads,
-                                      spin_us=spin[len(replica_devs):], kernels=icfg.kernels)
+                                      spin_us=node_spin[first:first + count],
+                                      kernels=icfg.kernels, first=first)
+        starting = spawn_nodes()
         nodes: list = []
 
         def nodes_ready() -> list:  # called by RemoteReplicas once its replicas are spawned
@@ -242,6 +255,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
             raise
         # replicas stop before the nodes
         closers = [worker.close, lambda: stop_roles(starting.handles, starting.channels)]
+        restart = partial(restart_node, spawn_nodes, starting, worker, nodes)
     scheduler = config.scheduler
     if scheduler.max_model_len is None:
         scheduler = type(scheduler)(scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
@@ -249,7 +263,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
     engine = Engine(worker, [cap] * icfg.memory, scheduler, info.eos, info.tokenizer,
                     info.vocab_size, id_base=inst_id * ID_STRIDE,
                     micro_batches=icfg.pipeline.micro_batches)
-    return Instance(inst_id, engine, nodes, closers, [cap] * icfg.memory)
+    return Instance(inst_id, engine, nodes, closers, [cap] * icfg.memory, restart_node=restart)
 
 
 def receiver_spin(replica_devs: list[Device], node_devs: list[Device], own_core_spin: bool

@@ -63,6 +63,7 @@ class Starting:
     channels: list
     started: list[float]
     role: str
+    first: int = 0  # the number of the first role (a restarted one keeps its own)
 
     def ready(self) -> tuple[list[RoleHandle], list]:
         """Wait until each role answers a PING; its handles and the engine's control channels
@@ -73,12 +74,12 @@ class Starting:
                 try:
                     ch.send(codec.ping())
                     reply = codec.raise_if_error(ch.recv(START_TIMEOUT_S))
-                    add_role(f"{label} {i}", time.perf_counter() - self.started[i],
+                    add_role(f"{label} {self.first + i}", time.perf_counter() - self.started[i],
                              reply.meta.get("stages", {}))
                 except (PeerDied, ChannelClosed, TimeoutError) as e:
                     if getattr(self.handles[i], "exitcode", None) == UNGUARDED_MAIN_EXIT:
                         raise RuntimeError(UNGUARDED_MAIN) from None
-                    raise NodeFailure(f"{self.role} role {i} did not start: {e}") from e
+                    raise NodeFailure(f"{self.role} role {self.first + i} did not start: {e}") from e
         except BaseException:
             self.stop()
             raise
@@ -89,14 +90,15 @@ class Starting:
 
 
 def spawn_roles(launcher: Launcher, target: Callable[..., Any], configs: list[dict], *,
-                role: str, device: str, transport: str) -> Starting:
+                role: str, device: str, transport: str, first: int = 0) -> Starting:
     """Start one ``role`` (``compute`` or ``memory``) per config, without waiting for them
-    (several kinds of role start side by side; :meth:`Starting.ready` waits). On a failure to
-    start one, every role started is stopped and the error propagates."""
-    starting = Starting([], [], [], role)
+    (several kinds of role start side by side; :meth:`Starting.ready` waits); the roles are
+    numbered from ``first``. On a failure to start one, every role started is stopped and the
+    error propagates."""
+    starting = Starting([], [], [], role, first)
     label = "memory node" if role == "memory" else "replica"
     try:
-        for i, cfg in enumerate(configs):
+        for i, cfg in enumerate(configs, first):
             lst = listen(*launcher.control_link(transport))
             starting.started.append(time.perf_counter())
             starting.handles.append(launcher.start(target, (lst.endpoint, cfg),
@@ -128,23 +130,51 @@ def stop_roles(handles: list[RoleHandle], channels: list) -> None:
 def spawn_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: list[Device],
                        capacity: int, *, dtype: torch.dtype, slab_size: int, transport: str,
                        num_threads: int = 1, spin_us: list[float] | None = None,
-                       kernels: KernelConfig | None = None) -> Starting:
+                       kernels: KernelConfig | None = None, first: int = 0) -> Starting:
     """Spawn one memory-node server of ``capacity`` slots per device (each pins itself to its
-    device's cores and computes with ``kernels``); :func:`node_clients` of what
-    :meth:`Starting.ready` returns are the engine's clients of them."""
+    device's cores and computes with ``kernels``), numbered from ``first``;
+    :func:`node_clients` of what :meth:`Starting.ready` returns are the engine's clients."""
     spin_us = spin_us or [SPIN_US] * len(devices)
     configs = [asdict(node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
                                   list(d.cores) if d.cores else None, sp, kernels))
                for d, sp in zip(devices, spin_us)]
     return spawn_roles(launcher, serve_node, configs, role="memory", device=devices[0].torch,
-                       transport=transport)
+                       transport=transport, first=first)
 
 
-def node_clients(handles: list[RoleHandle], channels: list) -> list[RemoteNode]:
+def node_clients(handles: list[RoleHandle], channels: list, first: int = 0) -> list[RemoteNode]:
     """The engine's clients of started memory nodes (``client.process``: the role's handle;
     the caller stops it)."""
-    return [RemoteNode(ch, h, f"memory node {i}") for i, (h, ch) in enumerate(zip(handles,
-                                                                                   channels))]
+    return [RemoteNode(ch, h, f"memory node {i}")
+            for i, (h, ch) in enumerate(zip(handles, channels), first)]
+
+
+def restart_node(spawn: Callable[[int, int], Starting], starting: Starting,
+                 worker: "RemoteReplicas", nodes: list[RemoteNode], k: int) -> None:
+    """Start memory node ``k`` of an instance again, empty, in place of a dead one: ``spawn(k,
+    1)`` starts it as the instance's own start did; once it answers, every replica joins it
+    (``worker``), the engine's client in ``nodes`` and the instance's role list (``starting``,
+    which its close stops) point at it, and the dead one's handle and channel are released."""
+    new = spawn(k, 1)
+    handles, channels = new.ready()
+    client = node_clients(handles, channels, first=k)[0]
+    try:
+        worker.replace_node(k, client)
+    except BaseException:
+        new.stop()
+        raise
+    old = (starting.handles[k], starting.channels[k])
+    starting.handles[k], starting.channels[k] = handles[0], channels[0]
+    nodes[k] = client
+    stop_roles([old[0]], [old[1]])
+
+
+@dataclass
+class _Ended:
+    """What a reader thread files when its link to a replica ends."""
+
+    channel: Any
+    error: BaseException
 
 
 class RemoteReplicas(WorkerClient):
@@ -185,8 +215,10 @@ class RemoteReplicas(WorkerClient):
                                            "idle_spin_us": (idle_spin_us[i] if idle_spin_us
                                                             else SPIN_US)}))
                    for i, d in enumerate(devices)]
-        starting = spawn_roles(launcher, serve_replica, configs, role="compute",
-                               device=replica.device, transport=transport)
+        self._spawn = lambda first, count: spawn_roles(  # all replicas, or one to restart
+            launcher, serve_replica, configs[first:first + count], role="compute",
+            device=replica.device, transport=transport, first=first)
+        starting = self._spawn(0, len(configs))
         try:  # the nodes (when still starting: side by side with the replicas), then these
             self.nodes = list(nodes() if callable(nodes) else nodes)
             self.procs, self.channels = starting.ready()
@@ -200,6 +232,33 @@ class RemoteReplicas(WorkerClient):
             raise
         for i, ch in enumerate(self.channels):
             threading.Thread(target=self._read, args=(i, ch), daemon=True).start()
+
+    def replace_replica(self, i: int) -> None:
+        """Replica ``i`` died: start it again with its index (it reads the split and packs its
+        weights as at start-up), join it to every node on a new peer channel (which replaces
+        the dead one's) and, with several replicas, into the ring of contexts. The nodes keep
+        every request's KV; the micro-batches it had in flight were reset and cancelled."""
+        procs, channels = self._spawn(i, 1).ready()
+        old = (self.procs[i], self.channels[i])
+        self.procs[i], self.channels[i] = procs[0], channels[0]
+        self.dead.pop(i, None)
+        stop_roles([old[0]], [old[1]])
+        n = self.config.replicas
+        nxt = None
+        if n > 1:  # i joins the channel its next replica opens; its previous joins i's
+            j, p = (i + 1) % n, (i - 1) % n
+            nxt = self._request(j, self._open_for(j, i)).meta["endpoint"]
+            prev = self._call(i, self._open_for(i, p)).meta["endpoint"]
+            self._request(p, Message(MsgKind.CONNECT, CONTROL_STEP,
+                                     meta={"nodes": [], "next": prev}))
+        nodes = [self._peer_endpoint(node, i) for node in self.nodes]
+        self._call(i, Message(MsgKind.CONNECT, meta={"nodes": nodes, "next": nxt}))
+        threading.Thread(target=self._read, args=(i, self.channels[i]), daemon=True).start()
+
+    def _open_for(self, opener: int, joiner: int) -> Message:
+        """OPEN on replica ``opener`` of a context channel that replica ``joiner`` joins."""
+        link = link_kind(self.transport, self.procs[opener].where, self.procs[joiner].where)
+        return Message(MsgKind.OPEN, CONTROL_STEP, meta={"kind": link[0], "host": link[1]})
 
     # -- set-up ---------------------------------------------------------------------------------
     def _call(self, i: int, msg: Message, timeout: float = REPLY_TIMEOUT_S) -> Message:
@@ -222,8 +281,12 @@ class RemoteReplicas(WorkerClient):
                 j, reply = self.inbox.get(timeout=REPLY_TIMEOUT_S)
             except queue.Empty:
                 raise self._dead(i, TimeoutError(f"no reply in {REPLY_TIMEOUT_S:.0f} s")) from None
-            if j == i and isinstance(reply, BaseException):
-                raise self._dead(i, reply)
+            if isinstance(reply, _Ended):
+                if (e := self._ended(j, reply)) is not None:
+                    if j == i:
+                        raise self._dead(i, e)
+                    self.dead[j] = self._dead(j, e)
+                continue
             if j == i and reply.step_id == CONTROL_STEP:
                 return codec.raise_if_error(reply)
             self.held.append((j, reply))
@@ -239,9 +302,7 @@ class RemoteReplicas(WorkerClient):
         if n > 1:
             for i in range(n):
                 j = (i + 1) % n  # opens the channel that i joins
-                link = link_kind(self.transport, self.procs[j].where, self.procs[i].where)
-                msg = Message(MsgKind.OPEN, meta={"kind": link[0], "host": link[1]})
-                nexts[i] = self._call(j, msg).meta["endpoint"]
+                nexts[i] = self._call(j, self._open_for(j, i)).meta["endpoint"]
         for i in range(n):
             nodes = [self._peer_endpoint(node, i) for node in self.nodes]
             self._call(i, Message(MsgKind.CONNECT, meta={"nodes": nodes, "next": nexts[i]}))
@@ -250,6 +311,19 @@ class RemoteReplicas(WorkerClient):
         """A new peer channel of ``node`` for replica ``i`` to join."""
         kind, host = link_kind(self.transport, node.process.where, self.procs[i].where)
         return node.open_peer(self.peer_base + i, kind, host)
+
+    def replace_node(self, k: int, client: RemoteNode) -> None:
+        """Node ``k`` died and ``client`` is the engine's client of the empty node restarted in
+        its place: every replica joins a new peer channel of it instead (after :meth:`reset`)."""
+        for i in range(self.config.replicas):
+            ep = self._peer_endpoint(client, i)
+            self._request(i, Message(MsgKind.CONNECT, CONTROL_STEP,
+                                     meta={"nodes": [ep], "next": None, "at": k}))
+        self.nodes[k] = client
+
+    def dead_replicas(self) -> list[int]:
+        """Replicas whose process (or actor) is gone."""
+        return [i for i, p in enumerate(self.procs) if i in self.dead or not p.is_alive()]
 
     def attach(self, client: RemoteNode) -> int:
         """Borrowing: another instance's node (its engine-side client, in this process) joins
@@ -266,7 +340,14 @@ class RemoteReplicas(WorkerClient):
             while True:
                 self.inbox.put((i, ch.recv()))
         except BaseException as e:  # noqa: BLE001 - reported by wait()
-            self.inbox.put((i, e))
+            self.inbox.put((i, _Ended(ch, e)))
+
+    def _ended(self, i: int, item: Any) -> BaseException | None:
+        """The error that ended replica ``i``'s current link, if ``item`` says so (an end of
+        a replaced replica's link is no news: None)."""
+        if isinstance(item, _Ended) and self.channels[i] is item.channel:
+            return item.error
+        return None
 
     # -- WorkerClient ----------------------------------------------------------------------------
     def submit(self, slot: int, plan: StepPlan, routes, req_ids: list[int],
@@ -301,8 +382,9 @@ class RemoteReplicas(WorkerClient):
                     timeout=REPLY_TIMEOUT_S)
             except queue.Empty:
                 raise NodeFailure(f"no compute replica answered in {REPLY_TIMEOUT_S:.0f} s") from None
-            if isinstance(msg, BaseException):
-                self.dead[i] = self._dead(i, msg)
+            if isinstance(msg, _Ended):
+                if (e := self._ended(i, msg)) is not None:
+                    self.dead[i] = self._dead(i, e)
                 continue
             if msg.step_id not in self.pending:
                 continue
@@ -334,11 +416,18 @@ class RemoteReplicas(WorkerClient):
         return self._times
 
     def free(self, req_ids: list[int], release: list[int]) -> None:
+        """FREE on every node, also past one that is gone (whose failure is raised after: the
+        others must not keep the KV)."""
         for r in release:
             self.sampler.release(r)
-        if req_ids:
-            for node in self.nodes:
+        failure = None
+        for node in self.nodes if req_ids else []:
+            try:
                 node.free(req_ids, wait=True)
+            except NodeFailure as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
 
     def stats(self) -> list[NodeStats]:
         return [n.stats() for n in self.nodes]

@@ -46,7 +46,7 @@ class EngineMetrics:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
-    restarts: int = 0  # instances restarted after a role died
+    restarts: dict[str, int] = field(default_factory=dict)  # by kind: instance, memory_node, replica
     ttft_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
     tbt_s: list[float] = field(default_factory=list)
 
@@ -220,7 +220,10 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         self.metrics.running, self.metrics.waiting = self.engine.counts()
         self.metrics.kv_used_slots, self.metrics.kv_capacity_slots = self.engine.kv_slots()
-        self.metrics.restarts = getattr(self.engine, "recoveries", 0)
+        d = self.engine
+        self.metrics.restarts = {"instance": getattr(d, "instance_restarts", 0),
+                                 "memory_node": getattr(d, "node_restarts", 0),
+                                 "replica": getattr(d, "replica_restarts", 0)}
 
     def _fail(self, e: BaseException) -> None:
         self._fatal = e

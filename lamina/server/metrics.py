@@ -23,8 +23,9 @@ class _Exporter:
         self.tbt = Histogram("lamina_time_between_tokens_seconds", "Time between tokens",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.restarts = Counter("lamina_restarts", "Restarts after a role died, by what was "
-                                "restarted (today the whole instance)", ["kind"], registry=r)
-        self._seen = {"gen": 0, "prompt": 0, "restarts": 0}
+                                "restarted (instance, memory_node, replica)", ["kind"], registry=r)
+        self._seen = {"gen": 0, "prompt": 0}
+        self._restarts_seen: dict[str, int] = {}
         self._finished_seen: dict[str, int] = {}
 
 
@@ -41,8 +42,10 @@ def render_metrics(m) -> bytes:
         ex.kv_cap.labels(node=str(i)).set(cap)
     ex.gen.inc(m.generated_tokens - ex._seen["gen"])
     ex.prompt.inc(m.prompt_tokens - ex._seen["prompt"])
-    ex.restarts.labels(kind="instance").inc(m.restarts - ex._seen["restarts"])
-    ex._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens, restarts=m.restarts)
+    for kind, n in m.restarts.items():
+        ex.restarts.labels(kind=kind).inc(n - ex._restarts_seen.get(kind, 0))
+        ex._restarts_seen[kind] = n
+    ex._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens)
     for reason, n in list(m.finished.items()):
         ex.finished.labels(reason=reason).inc(n - ex._finished_seen.get(reason, 0))
         ex._finished_seen[reason] = n

@@ -12,6 +12,7 @@ IMPORT     ``to_message(KVChunk, MsgKind.IMPORT)``  ``KVChunk`` (payload to impo
 STATS      ``stats_request()`` / ``to_message(NodeStats)``  ``None`` (request) / ``NodeStats``
 FREE       ``free_request(req_ids)``            ``list[int]``
 FREE       ``free_range_request(req_id, a, b)``  ``(req_id, a, b)`` (one range of one request)
+CANCEL     ``cancel_request(step_ids)``          ``list[int]`` (steps to roll back or refuse)
 EXPORT     ``export_request(req_id, start, end)``  ``(req_id, start, end)``
 ERROR      ``to_message(exception)``            the exception instance (see below)
 OK/PING/SHUTDOWN  ``ok(meta)``, ``ping()``, ``shutdown()``  the meta dict
@@ -139,6 +140,11 @@ def free_range_request(req_id: int, start: int, end: int) -> Message:
     return Message(MsgKind.FREE, meta={"req_id": req_id, "start": start, "end": end})
 
 
+def cancel_request(step_ids: list[int]) -> Message:
+    """CANCEL: roll back these steps' appends where prepared, and refuse them from now on."""
+    return Message(MsgKind.CANCEL, meta={"step_ids": [int(s) for s in step_ids]})
+
+
 def export_request(req_id: int, start: int, end: int) -> Message:
     """EXPORT: ask for positions ``start .. end-1`` of ``req_id`` (answered with KV)."""
     return Message(MsgKind.EXPORT, meta={"req_id": req_id, "start": start, "end": end})
@@ -215,6 +221,8 @@ def from_message(msg: Message) -> Any:
         return list(_ints(meta.get("req_ids"), "FREE req_ids"))
     if kind == MsgKind.EXPORT:
         return (_int(meta, "req_id"), _int(meta, "start"), _int(meta, "end"))
+    if kind == MsgKind.CANCEL:
+        return list(_ints(meta.get("step_ids"), "CANCEL step_ids"))
     if kind == MsgKind.ERROR:
         return _error(msg)
     return meta

@@ -59,6 +59,10 @@ class NodeClient(ABC):
     def free_range(self, req_id: int, start: int, end: int) -> None:
         """Free positions ``[start, end)`` of a request (the source side of a KV move)."""
 
+    @abstractmethod
+    def cancel(self, step_ids: list[int]) -> None:
+        """Roll back steps dropped in flight and refuse their PREPAREs from now on (waits)."""
+
     def close(self) -> None:  # noqa: B027 - optional
         pass
 
@@ -94,6 +98,9 @@ class InProcessNode(NodeClient):
 
     def free_range(self, req_id: int, start: int, end: int) -> None:
         self.node.free_range(req_id, start, end)
+
+    def cancel(self, step_ids: list[int]) -> None:
+        self.node.cancel_steps(step_ids)
 
 
 class RemoteNode(NodeClient):
@@ -193,6 +200,9 @@ class RemoteNode(NodeClient):
 
     def free_range(self, req_id: int, start: int, end: int) -> None:
         self._call(codec.free_range_request(req_id, start, end))
+
+    def cancel(self, step_ids: list[int]) -> None:
+        self._call(codec.cancel_request(step_ids))
 
     def close(self) -> None:
         """SHUTDOWN and close the channel (whoever started the process stops it)."""

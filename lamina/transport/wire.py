@@ -63,7 +63,7 @@ class WireError(ValueError):
 
 
 class MsgKind(IntEnum):
-    """Message kinds (u16 on the wire; values 19..65535 are free for new kinds)."""
+    """Message kinds (u16 on the wire; values 20..65535 are free for new kinds)."""
 
     PREPARE = 1
     ATTEND = 2
@@ -83,6 +83,7 @@ class MsgKind(IntEnum):
     OPEN = 16  # engine -> node/replica: open a channel for a peer; OK carries its endpoint
     CONNECT = 17  # engine -> compute replica: attach the endpoints of its nodes and next replica
     RESET = 18  # engine -> compute replica: drop every micro-batch in flight (after an error)
+    CANCEL = 19  # engine -> memory node: roll back steps dropped in flight (after a role died)
 
 
 _DTYPE_CODES: dict[torch.dtype, int] = {

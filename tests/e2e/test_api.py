@@ -115,8 +115,9 @@ def _kill_mid_stream(llm, prompts, params, victim) -> list[list[int]]:
 @pytest.mark.slow  # starts replica and memory-node processes, twice
 @pytest.mark.parametrize("role", ["memory node", "replica"])
 def test_a_killed_role_is_replaced_and_no_request_is_lost(folder, role):
-    """kill -9 of a memory node or the compute replica mid-generation: the instance is
-    restarted, its requests recompute their KV, and every output equals the unfaulted one."""
+    """kill -9 of a memory node or the compute replica mid-generation: that role alone is
+    restarted; requests recompute the KV they lost (none for a replica), and every output
+    equals the unfaulted one."""
     before = _children()
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -129,8 +130,12 @@ def test_a_killed_role_is_replaced_and_no_request_is_lost(folder, role):
         got = _kill_mid_stream(llm, prompts, params, lambda _: pids[role])
         assert got == want
         assert llm.deployment.recoveries == 1
-        fresh = llm.deployment.instances[0]
-        assert fresh is not inst and fresh.nodes[1].process.pid != pids["memory node"]
+        d = llm.deployment
+        assert d.instances[0] is inst
+        now = {"memory node": inst.nodes[1].process.pid,
+               "replica": inst.engine.worker.procs[0].pid}
+        assert {r: now[r] != pids[r] for r in pids} == {r: r == role for r in pids}
+        assert (d.node_restarts, d.replica_restarts) == ((1, 0) if role == "memory node" else (0, 1))
         again = llm.generate(prompts, params, use_tqdm=False)  # and it keeps serving
         assert [o.outputs[0].token_ids for o in again] == want
     psutil.wait_procs([psutil.Process(p) for p in _children() - before], timeout=10)
@@ -159,7 +164,11 @@ def test_when_capacity_is_gone_only_its_requests_fail_and_serving_resumes_when_i
                 raise RuntimeError("no host has lamina_memory resources left")
             return real(inst_id)
 
+        def restart_node(k):  # the node alone cannot come back either
+            raise RuntimeError("no host has lamina_memory resources left")
+
         dep.restart = restart
+        dep.instances[0].restart_node = restart_node
         pid = dep.instances[0].nodes[1].process.pid
         stream = llm.generate_stream(prompts, params)
         reasons = {}

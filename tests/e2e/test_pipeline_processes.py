@@ -84,7 +84,10 @@ def test_a_transport_that_no_longer_exists_is_a_clear_error(tiny):
 @pytest.mark.parametrize("victim", ["memory node", "compute replica"])
 def test_killed_process_is_replaced_and_outputs_are_unchanged(tiny, victim):
     """Rotational pipelining over 2 replicas: kill -9 of a memory node or of replica 1 mid-
-    generation restarts the instance; every request completes with the unfaulted output."""
+    generation restarts that role alone, with its index (same instance, the other roles' same
+    processes: the micro-batches in flight are rolled back on the nodes and re-run; a new node
+    is empty, a new replica joins the ring of contexts). Every request completes with the
+    unfaulted output."""
     folder, _ = tiny
     before = _children()
     prompts = PROMPTS[:4]
@@ -95,6 +98,7 @@ def test_killed_process_is_replaced_and_outputs_are_unchanged(tiny, victim):
         pid = (inst.nodes[1].process.pid if victim == "memory node"
                else inst.engine.worker.procs[1].pid)
         assert pid in _children() - before
+        replicas = [p.pid for p in inst.engine.worker.procs]
         got: list[list[int]] = [[] for _ in prompts]
         stream = llm.generate_stream(prompts, params)
         d = next(stream)
@@ -103,7 +107,14 @@ def test_killed_process_is_replaced_and_outputs_are_unchanged(tiny, victim):
         for d in stream:
             assert d.finish_reason != "error", d
             got[d.index] += d.token_ids
-        assert got == want and llm.deployment.recoveries == 1
+        d = llm.deployment
+        assert got == want and d.recoveries == 1 and d.instances[0] is inst
+        node = victim == "memory node"
+        assert (d.node_restarts, d.replica_restarts) == ((1, 0) if node else (0, 1))
+        now = [p.pid for p in inst.engine.worker.procs]
+        assert now == replicas if node else (now[0] == replicas[0] and now[1] != pid)
+        assert inst.nodes[1].process.is_alive() and all(p.is_alive() for p in
+                                                        inst.engine.worker.procs)
     psutil.wait_procs([psutil.Process(p) for p in _children() - before], timeout=10)
     assert _children() - before == set()
 

@@ -105,13 +105,24 @@ def test_a_dead_instance_is_restarted_and_its_requests_complete(tiny):
         reqs = [d.add_request(p, GREEDY) for p in prompts]
         assert {r.req_id // (1 << 40) for r in reqs} == {0, 1}  # the router used both
         d.step()
-        dead = d.instances[1]
-        ray.kill(dead.nodes[0].process.actor)  # the memory node's actor dies
+        inst = d.instances[1]
+        node = inst.nodes[0].process
+        ray.kill(node.actor)  # the memory node's actor dies: it alone is restarted
         _run(d, reqs)
         assert [r.output_ids for r in reqs] == want and all(r.error is None for r in reqs)
-        assert d.recoveries == 1 and d.instances[1] is not dead
+        assert d.recoveries == 1 and d.node_restarts == 1 and d.instances[1] is inst
+        assert inst.nodes[0].process is not node and inst.nodes[0].process.is_alive()
         later = [d.add_request(p, GREEDY) for p in prompts]  # both instances serve again
         assert {r.req_id // (1 << 40) for r in later} == {0, 1}
+        d.step()
+        ray.kill(inst.engine.worker.procs[0].actor)  # its replica dies: it alone is restarted
         assert [r.output_ids for r in _run(d, later)] == want
+        assert d.recoveries == 2 and d.replica_restarts == 1 and d.instances[1] is inst
+        last = [d.add_request(p, GREEDY) for p in prompts]
+        d.step()
+        ray.kill(inst.nodes[0].process.actor)  # a node and a replica at once: the instance
+        ray.kill(inst.engine.worker.procs[0].actor)  # restarts
+        assert [r.output_ids for r in _run(d, last)] == want
+        assert d.recoveries == 3 and d.instances[1] is not inst
     finally:
         d.close()

@@ -89,6 +89,29 @@ def test_preemption_recomputes_and_loses_nothing():
     assert [(g.req.req_id, g.start, g.num_tokens, g.sample) for g in segs] == [(1, 0, 5, True)]
 
 
+def test_unplace_gives_back_a_dropped_step_s_reservations():
+    """A step dropped in flight (a role died): its appends leave the shards and the free counts
+    as before it was scheduled, also where it had opened a shard on a second node."""
+    s = Scheduler([6, 6], SchedulerConfig(max_num_batched_tokens=100))
+    a, b = req(0, 5, max_tokens=20), req(1, 2, max_tokens=20)
+    s.add(a), s.add(b)
+    run_step(s, s.schedule()[0])  # a: 6 tokens, 5 stored on node 0; b: 3, 2 on node 1
+    shards = [[(x.node, x.start, x.length) for x in r.shards] for r in (a, b)]
+    free = list(s.free)
+    segs, _ = s.schedule()  # a stores position 5 on node 0; b position 2 on node 1
+    assert s.free != free
+    s.unplace(segs)
+    assert s.free == free and [[(x.node, x.start, x.length) for x in r.shards]
+                               for r in (a, b)] == shards
+    s.free[0] = 0  # node 0 full: a's next position opens a shard on node 1
+    segs, _ = s.schedule()
+    assert [x.node for x in a.shards] == [0, 1]
+    s.unplace(segs)
+    assert [x.node for x in a.shards] == [0] and s.free == [0, free[1]]
+    with pytest.raises(RuntimeError, match="do not end"):
+        s.unplace(segs)  # twice: the shards no longer end with those appends
+
+
 def test_victim_is_the_latest_running_request_not_in_the_step():
     s = Scheduler([12], SchedulerConfig(max_num_batched_tokens=100))
     a, b = req(0, 3, max_tokens=20), req(1, 3, max_tokens=20)

@@ -186,7 +186,8 @@ def test_a_client_that_disconnects_aborts_its_non_streaming_request(client, monk
 
 def test_health_says_recovering_during_a_restart_and_metrics_count_restarts(client):
     """While the deployment restarts an instance (its engine thread busy in ``restart``),
-    /health is a 503 ``recovering``; /metrics counts restarts by kind (today: instance)."""
+    /health is a 503 ``recovering``; /metrics counts restarts by kind (a whole instance, a
+    memory node or a replica restarted alone)."""
     dep = client.engine.engine
     seen, real = [], dep.restart
 
@@ -202,14 +203,17 @@ def test_health_says_recovering_during_a_restart_and_metrics_count_restarts(clie
     ((count, health),) = seen
     assert count == 1 and health.status_code == 503 and health.json() == {"status": "recovering"}
     assert dep.recovering == 0 and client.get("/health").json() == {"status": "ok"}
-    before = dep.recoveries
-    dep.recoveries = before + 2
+    before = (dep.instance_restarts, dep.node_restarts, dep.replica_restarts)
+    dep.instance_restarts, dep.node_restarts, dep.replica_restarts = \
+        before[0] + 2, before[1] + 3, before[2] + 1
     try:
         client.engine._update_stats()
-        assert f'lamina_restarts_total{{kind="instance"}} {float(before + 2)}' in \
-            client.get("/metrics").text
+        text = client.get("/metrics").text
+        for kind, n in (("instance", before[0] + 2), ("memory_node", before[1] + 3),
+                        ("replica", before[2] + 1)):
+            assert f'lamina_restarts_total{{kind="{kind}"}} {float(n)}' in text
     finally:
-        dep.recoveries = before
+        dep.instance_restarts, dep.node_restarts, dep.replica_restarts = before
 
 
 def test_no_capacity_is_a_503_with_retry_after_until_an_instance_serves_again(client):

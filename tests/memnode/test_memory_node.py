@@ -212,6 +212,26 @@ def test_free_while_in_flight_is_deferred_and_cancel_rolls_back():
     node.allocator.check_invariants()
 
 
+def test_cancel_steps_rolls_back_what_is_prepared_and_refuses_the_rest_later():
+    """Steps dropped in flight when a role died: the one prepared here is rolled back; the one
+    whose PREPARE was still on its way is refused when it comes; other steps are untouched."""
+    c = make_cluster("A", capacity=64)
+    c.place = {1: [(0, "A")], 2: [(0, "A")]}
+    c.run([(1, 0, 5), (2, 0, 4)])
+    node = c.nodes["A"]
+    before = node.stats()
+    node.prepare(PrepareMsg(40, [ShardWork(1, 5, 1, 5, 1)]))
+    node.cancel_steps([40, 41])
+    assert node.stats() == before and node.in_flight == []
+    with pytest.raises(UnknownStep, match="cancelled"):
+        node.prepare(PrepareMsg(41, [ShardWork(2, 4, 1, 4, 1)]))
+    assert node.stats() == before  # refused whole
+    node.cancel_steps([41])  # again: nothing changes
+    node.prepare(PrepareMsg(42, [ShardWork(2, 4, 1, 4, 1)]))  # a new step of the same request
+    assert node.stats().used_slots == before.used_slots + 1
+    node.allocator.check_invariants()
+
+
 def test_prepare_and_attend_validation():
     specs = make_specs()
     node = MemoryNode(specs, 32, slab_size=8)

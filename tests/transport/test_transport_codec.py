@@ -63,6 +63,7 @@ def test_stats_and_requests_round_trip():
     assert codec.from_message(over_wire(codec.stats_request())) is None
     assert codec.from_message(over_wire(codec.free_request([3, 1, 2]))) == [3, 1, 2]
     assert codec.from_message(over_wire(codec.export_request(5, 10, 20))) == (5, 10, 20)
+    assert codec.from_message(over_wire(codec.cancel_request([9, 4]))) == [9, 4]
     assert codec.from_message(over_wire(codec.ok({"freed": [1]}))) == {"freed": [1]}
     assert over_wire(codec.ping()).kind == MsgKind.PING
     assert over_wire(codec.shutdown()).kind == MsgKind.SHUTDOWN
