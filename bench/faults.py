@@ -13,7 +13,7 @@ Reports: requests completed and failed, greedy outputs identical to the baseline
 recoveries (and how many were a memory node restarted alone), seconds from each kill to the
 instance serving again, tokens recomputed (KV lost with the node and prefilled again), wall time and
 per-request latency (p50, max) of both runs and their ratio. Writes
-bench/results/faults_cpu.{json,md}.
+bench/results/faults_cpu.{json,md} (``--spare``: faults_cpu_spare.{json,md}).
 
     python bench/faults.py                         # smollm2, 12 requests, a kill every 8 s
     python bench/faults.py --kill-every 4 --kills 3
@@ -109,10 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kills", type=int, default=4, help="most kills")
     ap.add_argument("--victims", choices=["memory", "replica", "both"], default="both",
                     help="memory nodes only, the compute replica only, or both in turn")
+    ap.add_argument("--spare", action="store_true",
+                    help="keep a role process started ahead (LLM(spare=True)): faster restarts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args(argv)
-    with LLM(a.model, memory=a.memory, placement="procs") as llm:
+    with LLM(a.model, memory=a.memory, placement="procs", spare=a.spare) as llm:
         vocab = llm.deployment.instances[0].engine.vocab_size or 2
         trace = synthetic_trace("mixed", a.requests, math.inf, vocab, seed=a.seed, scale=a.scale,
                                 max_context=1024)
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         node_restarts = llm.deployment.node_restarts - nodes0
         recomputed = llm.deployment.recomputed_tokens - tok0
     completed = sum(r in ("length", "stop") for r in fault["reason"])
-    res = dict(model=a.model, requests=len(prompts), memory_nodes=a.memory,
+    res = dict(model=a.model, requests=len(prompts), memory_nodes=a.memory, spare=a.spare,
                kill_every_s=a.kill_every, kills=len(killer.kills),
                killed=[dict(at_s=t, role=r, back_s=round(b, 2) if b is not None else None)
                        for (t, r), b in zip(killer.kills, killer.back + [None] * len(killer.kills))],
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     ratio = fault["wall"] / base["wall"]
     md = ["# Faults under load (bench/faults.py)", "",
           f"{a.model}, {len(prompts)} requests of a seeded mixed trace (greedy), "
-          f"{a.memory} memory nodes, every role a process; a process SIGKILLed every "
+          f"{a.memory} memory nodes, every role a process{' (a spare kept ahead)' if a.spare else ''}"
+          f"; a process SIGKILLed every "
           f"{a.kill_every:g} s of serving (at most {a.kills}): "
           + ", ".join(f"{r} at {t:g} s" for t, r in killer.kills) + ".", "",
           "| what | value |", "|---|---:|",
@@ -173,9 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(md) + "\n"
     print(text)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "faults_cpu.json").write_text(json.dumps(res, indent=1))
-    (a.out / "faults_cpu.md").write_text(text)
-    print(f"wrote {a.out / 'faults_cpu.json'} and .md")
+    name = "faults_cpu_spare" if a.spare else "faults_cpu"
+    (a.out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (a.out / f"{name}.md").write_text(text)
+    print(f"wrote {a.out / name}.json and .md")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
                 "means torch linear layers, the Python ring and ATTEND path; gguf: the defaults "
                 "with a GGUF model's linear layers on its own quantised blocks (default: "
                 "$LAMINA_KERNELS, else auto)", (*ATTENTION_KERNELS, "gguf")),
+    "spare": ("procs: keep a role process started ahead, so that a role that dies comes "
+              "back faster", None),
     "micro_batches": ("micro-batches in flight (default: 1; compute+1 when rotational)", None),
     "pipeline": ("staggered pipelining schedule (default: rotational when more than one "
                  "micro-batch or replica)", SCHEDULES),
@@ -51,7 +53,7 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
 _GROUPS = {
     None: ("model", "dtype"),
     "placement": ("compute", "memory", "instances", "placement", "transport", "address", "device",
-                  "memory_device", "cuda_graphs", "device_polling", "kernels"),
+                  "memory_device", "cuda_graphs", "device_polling", "kernels", "spare"),
     "pipelining": ("micro_batches", "pipeline", "attn_parts"),
     "KV cache and scheduling": ("kv_cache_gb", "kv_cache_tokens", "slab_size", "max_num_seqs",
                                 "max_num_batched_tokens", "borrowing", "plan_every"),

@@ -184,7 +184,9 @@ class InstanceConfig:
     process, memory nodes off the GPU); ``emulated`` is its CPU stand-in (the same
     bookkeeping, slices deferred), for tests. ``kernels``: what every role of the instance
     computes with (:class:`KernelConfig`, or its one-name form; default: what
-    ``LAMINA_KERNELS`` names)."""
+    ``LAMINA_KERNELS`` names). ``spare`` (``procs`` only): keep one role process started
+    ahead, its imports done, so that a role that dies comes back without Python's start and
+    imports (an idle process holding torch's memory; off by default)."""
 
     memory: int = 1
     placement: str = "inproc"
@@ -198,6 +200,7 @@ class InstanceConfig:
     cuda_graphs: bool = False
     device_polling: str = "off"
     kernels: KernelConfig | str | None = None  # None: what LAMINA_KERNELS names
+    spare: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, KernelConfig):  # a name, as --kernels gives it, or None
@@ -207,6 +210,9 @@ class InstanceConfig:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got "
                              f"{self.placement!r}")
+        if self.spare and self.placement != "procs":
+            raise ValueError(f"spare keeps a role process ahead under placement 'procs'; "
+                             f"got placement {self.placement!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got "
                              f"{self.transport!r}")

@@ -105,6 +105,7 @@ class Deployment(KVMoves):
             for inst in instances:
                 self._lend(inst)
         self.heartbeat()
+        self._keep_spare()
 
     def slabs(self, slots: int) -> int:
         """Slabs that ``slots`` KV slots take (the last one partial)."""
@@ -230,11 +231,17 @@ class Deployment(KVMoves):
             self.recovering -= 1
         if healed is None:
             return False
+        self._keep_spare()  # for the next death (the last one took the spare)
         self.recomputed_tokens += healed.lost_tokens
         self.recoveries += 1
         self.node_restarts += len(healed.nodes)
         self.replica_restarts += len(healed.replicas)
         return True
+
+    def _keep_spare(self) -> None:
+        """With ``spare``, have the launcher keep a role process ready for the next restart."""
+        if self.config.instance.spare and self.launcher is not None:
+            self.launcher.keep_spare()
 
     def _recover(self, inst: Instance, error: Exception, out: StepOutput,
                  fail_running: bool = False) -> bool:
@@ -288,6 +295,7 @@ class Deployment(KVMoves):
         self.instances[self.instances.index(inst)] = new
         self.recoveries += 1
         self.instance_restarts += 1
+        self._keep_spare()
 
     def _fail(self, inst: Instance, error: BaseException, out: StepOutput) -> None:
         """Instance ``inst`` is broken: its requests end with ``error``, its loans are void."""

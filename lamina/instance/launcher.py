@@ -55,7 +55,11 @@ class Launcher(Protocol):
 
 class ProcessLauncher:
     """Roles as OS processes on this host, started with the ``spawn`` context (safe with
-    threads and CUDA); they are daemonic, so none outlives the engine's process."""
+    threads and CUDA); they are daemonic, so none outlives the engine's process.
+
+    :meth:`keep_spare` starts one process ahead that imports what a role needs and then waits;
+    the next :meth:`start` hands it the role instead of spawning (a dead role comes back
+    without Python's start and imports: about 1.5 s of a core on a small machine)."""
 
     here = LOCAL
 
@@ -66,15 +70,46 @@ class ProcessLauncher:
             # raise a riddle here; exit with a status the parent turns into UNGUARDED_MAIN.
             os._exit(UNGUARDED_MAIN_EXIT)
         self.ctx = multiprocessing.get_context("spawn")
+        self._spare: tuple[Any, Any] | None = None  # (process, its end of the pipe)
 
     def start(self, target: Callable[..., Any], args: tuple, name: str, *, role: str = "",
               device: str = "cpu") -> RoleHandle:
         omp.for_roles()
-        p = self.ctx.Process(target=run_titled, args=(name, target, args), name=name,
-                             daemon=True)
-        p.start()
+        p = self._take_spare(name, target, args)
+        if p is None:
+            p = self.ctx.Process(target=run_titled, args=(name, target, args), name=name,
+                                 daemon=True)
+            p.start()
         p.where = LOCAL
         return p
+
+    def keep_spare(self) -> None:
+        """Have a spare role process waiting (start one unless one is)."""
+        if self._spare is not None and self._spare[0].is_alive():
+            return
+        mine, its = self.ctx.Pipe()
+        omp.for_roles()
+        p = self.ctx.Process(target=_spare, args=(its,), name="lamina: spare role", daemon=True)
+        p.start()
+        its.close()
+        self._spare = (p, mine)
+
+    def _take_spare(self, name: str, target: Callable[..., Any], args: tuple) -> Any:
+        """The spare, now running ``target(*args)`` as ``name``; None where none is ready (still
+        importing, or gone)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        p, pipe = spare
+        try:
+            if p.is_alive() and pipe.poll() and pipe.recv() == "ready":
+                pipe.send((name, target, args))
+                p.name = name
+                return p
+        except (OSError, EOFError):
+            pass
+        _stop_spare(p, pipe)
+        return None
 
     def control_link(self, transport: str) -> tuple[str, str]:
         if transport == "tcp":
@@ -82,7 +117,33 @@ class ProcessLauncher:
         return "shm", "127.0.0.1"
 
     def close(self) -> None:
+        if self._spare is not None:
+            _stop_spare(*self._spare)
+            self._spare = None
+
+
+def _spare(pipe) -> None:
+    """A spare role process: import what roles import, say so, then run the role it is handed
+    (None, or the launcher's end closing: exit)."""
+    import lamina.computenode.server  # noqa: F401 - torch, the replica core
+    import lamina.memnode.server  # noqa: F401 - the node, its native plane's loader
+    try:
+        pipe.send("ready")
+        job = pipe.recv()
+    except (OSError, EOFError):  # the launcher is gone
+        return
+    if job is not None:
+        pipe.close()
+        run_titled(*job)
+
+
+def _stop_spare(p, pipe) -> None:
+    try:
+        pipe.send(None)
+    except (OSError, ValueError):
         pass
+    pipe.close()
+    stop_role(p, timeout=2.0)
 
 
 def stop_role(p: RoleHandle, timeout: float = 5.0) -> None:

@@ -99,14 +99,7 @@ def test_killed_process_is_replaced_and_outputs_are_unchanged(tiny, victim):
                else inst.engine.worker.procs[1].pid)
         assert pid in _children() - before
         replicas = [p.pid for p in inst.engine.worker.procs]
-        got: list[list[int]] = [[] for _ in prompts]
-        stream = llm.generate_stream(prompts, params)
-        d = next(stream)
-        got[d.index] += d.token_ids
-        os.kill(pid, signal.SIGKILL)
-        for d in stream:
-            assert d.finish_reason != "error", d
-            got[d.index] += d.token_ids
+        got = _kill_mid_stream(llm, prompts, params, pid)
         d = llm.deployment
         assert got == want and d.recoveries == 1 and d.instances[0] is inst
         node = victim == "memory node"
@@ -159,3 +152,35 @@ def test_a_killed_node_leaves_no_resource_tracker_warning_at_exit(tiny, tmp_path
                        timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resource_tracker" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_spare_takes_the_dead_replica_s_place(tiny):
+    """spare=True: the launcher keeps a role process ready; a killed replica's place goes to
+    it (its pid), the output is the unfaulted one, and a new spare waits for the next death."""
+    import time
+    folder, _ = tiny
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(str(folder), memory=1, placement="procs", spare=True) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+        launcher = llm.deployment.launcher
+        spare, pipe = launcher._spare
+        deadline = time.monotonic() + 120
+        while not pipe.poll() and time.monotonic() < deadline:  # its imports done
+            time.sleep(0.05)
+        inst = llm.deployment.instances[0]
+        got = _kill_mid_stream(llm, PROMPTS[:3], params, inst.engine.worker.procs[0].pid)
+        assert got == want and llm.deployment.replica_restarts == 1
+        assert inst.engine.worker.procs[0].pid == spare.pid
+        assert launcher._spare is not None and launcher._spare[0] is not spare
+
+
+def _kill_mid_stream(llm, prompts, params, pid):
+    got: list[list[int]] = [[] for _ in prompts]
+    stream = llm.generate_stream(prompts, params)
+    d = next(stream)
+    got[d.index] += d.token_ids
+    os.kill(pid, signal.SIGKILL)
+    for d in stream:
+        assert d.finish_reason != "error", d
+        got[d.index] += d.token_ids
+    return got

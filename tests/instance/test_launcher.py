@@ -1,0 +1,57 @@
+"""ProcessLauncher's spare role process: started ahead with a role's imports done, it runs the
+next role it is handed (the role's pid is the spare's); close stops a spare still waiting."""
+import os
+import time
+
+import pytest
+
+from lamina.config import deployment_config
+from lamina.instance.launcher import ProcessLauncher
+
+
+def report(path, tag):
+    with open(path, "a") as f:
+        f.write(f"{tag} {os.getpid()}\n")
+
+
+def _lines(path, n, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= n:
+            return lines
+        time.sleep(0.05)
+    raise TimeoutError(f"{path}: fewer than {n} lines")
+
+
+def test_a_spare_runs_the_next_role_and_close_stops_the_one_waiting(tmp_path):
+    launcher = ProcessLauncher()
+    q = tmp_path / "roles.txt"  # a spare is handed its role over a pipe: plain data only
+    try:
+        launcher.keep_spare()
+        spare, pipe = launcher._spare
+        launcher.keep_spare()  # one is enough
+        assert launcher._spare[0] is spare
+        deadline = time.monotonic() + 120
+        while not pipe.poll() and time.monotonic() < deadline:  # its imports take a while
+            time.sleep(0.05)
+        p = launcher.start(report, (q, "role"), "lamina: test role")
+        assert p is spare and launcher._spare is None and p.name == "lamina: test role"
+        assert _lines(q, 1)[0] == f"role {spare.pid}"
+        p.join(30)
+        assert not p.is_alive()
+        fresh = launcher.start(report, (q, "no spare"), "lamina: test role 2")  # spawned
+        assert _lines(q, 2)[1] == f"no spare {fresh.pid}" and fresh is not spare
+        fresh.join(30)
+        launcher.keep_spare()
+        waiting = launcher._spare[0]
+    finally:
+        launcher.close()
+    waiting.join(10)
+    assert not waiting.is_alive() and launcher._spare is None
+
+
+def test_spare_is_for_role_processes_only():
+    with pytest.raises(ValueError, match="spare"):
+        deployment_config("m", spare=True)  # placement inproc
+    assert deployment_config("m", spare=True, placement="procs").instance.spare
