@@ -102,3 +102,32 @@ def test_proactive_moves_keep_greedy_output(tiny):
         assert d.moves > 0
         assert [r.output_ids for r in reqs] == want
         _no_kv_left(d)
+
+
+@pytest.mark.slow  # processes
+def test_a_creditor_node_that_dies_loses_no_request_of_either_instance(tiny):
+    """Under procs, a request of one instance borrows KV space from the other's node; that
+    node is killed mid-generation. Both instances recover (whole-instance restarts: with
+    borrowing, a node may hold another instance's KV) and every request completes with HF's
+    greedy output."""
+    import os
+    import signal
+    folder, model = tiny
+    cap = 40
+    long = _prompt(int(1.3 * cap), 1)
+    prompts = [long, _prompt(9, 2), _prompt(4, 3)]
+    want = hf_greedy(model, prompts, GREEDY.max_tokens)
+    with LLM(str(folder), instances=2, memory=1, kv_cache_tokens=cap, slab_size=8,
+             placement="procs") as llm:
+        d = llm.deployment
+        reqs = [d.add_request(p, GREEDY) for p in prompts]
+        while d.has_work() and not d.loans:
+            d.step()
+        assert d.loans, "the long request never borrowed"
+        (loan,) = d.loans.values()
+        os.kill(d.instances[loan.creditor].nodes[loan.creditor_node].process.pid, signal.SIGKILL)
+        while d.has_work():
+            d.step()
+        assert [r.error for r in reqs] == [None, None, None]
+        assert [r.output_ids for r in reqs] == want
+        assert d.recoveries >= 1 and d.node_restarts == 0
