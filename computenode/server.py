@@ -1,5 +1,5 @@
 """A compute replica in its own process or Ray actor, one of ``N`` that run a micro-batch
-schedule together (staggered pipelining); the engine side is ``instance.procs.RemoteReplicas``.
+schedule together (staggered pipelining); the engine side is ``instance.remote_replicas.RemoteReplicas``.
 
 Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no pickle):
 

@@ -1,6 +1,6 @@
 """The engine's view of its compute replicas (:class:`WorkerClient`), whatever the placement:
 :class:`lamina.instance.inproc.InProcessReplicas` runs them in the engine's process,
-:class:`lamina.instance.procs.RemoteReplicas` drives replica servers out of it."""
+:class:`lamina.instance.remote_replicas.RemoteReplicas` drives replica servers out of it."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -10,7 +10,7 @@ placement only decides where each role runs and which channel connects them:
 * ``procs``: each role an OS process on this host (:class:`~lamina.instance.launcher.ProcessLauncher`);
 * ``ray``: each role a Ray actor (:class:`~lamina.instance.ray_actors.RayLauncher`).
 
-Out of process, the engine talks to the replicas through :class:`~lamina.instance.procs.RemoteReplicas`
+Out of process, the engine talks to the replicas through :class:`~lamina.instance.remote_replicas.RemoteReplicas`
 and to the nodes through :class:`~lamina.transport.node_client.RemoteNode` (FREE, STATS, KV
 moves); memory nodes reply to the replica that runs the next slice. Request and step ids of
 instance ``i`` start at ``i * ID_STRIDE`` and its replicas are peers ``i * PEER_STRIDE + r`` on
@@ -218,8 +218,9 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         closers: list[Callable[[], None]] = [worker.close]
         restart = None  # the nodes live and die with this process
     else:
-        from lamina.instance.procs import (RemoteReplicas, node_clients, restart_node,
-                                           spawn_memory_nodes, stop_roles)
+        from lamina.instance.procs import (node_clients, restart_node, spawn_memory_nodes,
+                                           stop_roles)
+        from lamina.instance.remote_replicas import RemoteReplicas
         spin, idle_spin = receiver_spin(replica_devs, node_devs,
                                         config.instances == 1 and icfg.spin)
         node_spin = spin[len(replica_devs):]

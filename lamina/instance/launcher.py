@@ -13,6 +13,7 @@ address when roles may land on other hosts.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 from typing import Any, Callable, Protocol
@@ -125,8 +126,8 @@ class ProcessLauncher:
 def _spare(pipe) -> None:
     """A spare role process: import what roles import, say so, then run the role it is handed
     (None, or the launcher's end closing: exit)."""
-    import lamina.computenode.server  # noqa: F401 - torch, the replica core
-    import lamina.memnode.server  # noqa: F401 - the node, its native plane's loader
+    for module in ("lamina.computenode.server", "lamina.memnode.server"):  # torch and the rest
+        importlib.import_module(module)
     try:
         pipe.send("ready")
         job = pipe.recv()
