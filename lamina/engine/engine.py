@@ -9,6 +9,7 @@ most one micro-batch in flight, and a micro-batch is re-formed as soon as it fin
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,8 @@ from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler
 from lamina.engine.worker import WorkerClient
 from lamina.transport.node_client import NodeClient
 from lamina.types import NodeRoute, SamplingParams, Segment, ShardWork, StepPlan
+
+log = logging.getLogger("lamina.engine")
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Engine:
         self._in_flight: dict[int, InFlight] = {}  # slot -> micro-batch
         self._aborted: dict[int, Exception] = {}  # req_id -> error, applied at completion
         self.dropped: list[int] = []  # steps dropped in flight by a worker error, not yet cancelled
+        self.consistent = True  # the scheduler's view of the KV matches the nodes' (see recover)
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -120,12 +124,18 @@ class Engine:
     def _drop_in_flight(self) -> None:
         """Forget every micro-batch in flight (after an error): the replicas drop them, their
         slot reservations go back to the scheduler, their step ids wait in :attr:`dropped`
-        for the nodes to roll back (:meth:`recover_nodes`)."""
+        for the nodes to roll back (:meth:`recover`). Never raises past the error being
+        handled: a reservation that cannot be given back leaves :attr:`consistent` False
+        (then only a fresh engine, which recomputes everything, may take the requests on)."""
         if not self._in_flight:
             return
         self.worker.reset()
         for mb in self._in_flight.values():
-            self.scheduler.unplace(mb.segs)
+            try:
+                self.scheduler.unplace(mb.segs)
+            except RuntimeError as e:
+                self.consistent = False
+                log.warning("engine: %s", e)
         self.dropped += [mb.plan.step_id for mb in self._in_flight.values()]
         self._in_flight.clear()
 
@@ -152,6 +162,8 @@ class Engine:
         and each request with KV on a lost node frees the rest of its KV and goes back to the
         queue to recompute; the others keep theirs. Returns the KV tokens to recompute."""
         self._drop_in_flight()  # where the failure surfaced outside wait (a FREE, say)
+        if not self.consistent:
+            raise RuntimeError("the scheduler's view of the KV no longer matches the nodes'")
         if self.dropped:
             self.worker.cancel(self.dropped)
             self.dropped = []
