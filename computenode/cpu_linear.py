@@ -117,7 +117,8 @@ def _arenas(ext, weights: list[torch.Tensor | None]) -> tuple[dict, dict]:
                 layouts[w.dtype, k] = ext.pack_linear_weight(torch.empty(1, k, dtype=w.dtype)).shape
             _, steps, rows, lanes = layouts[w.dtype, k]
             sizes[w.dtype] = sizes.get(w.dtype, 0) + -(-n // rows) * rows * steps * lanes
-    return {dt: (huge_page_zeros((n,), dt), 0) for dt, n in sizes.items()}, layouts
+    # lazy: packing writes nearly every page at once (and the padding reads as zeros)
+    return {dt: (huge_page_zeros((n,), dt, commit="lazy"), 0) for dt, n in sizes.items()}, layouts
 
 
 def pack_into(w: torch.Tensor, panels: torch.Tensor) -> bool:

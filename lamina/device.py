@@ -9,9 +9,11 @@ enough (:func:`default_cores`).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -168,13 +170,20 @@ def _ranges(cores: tuple[int, ...]) -> str:
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page (x86-64, arm64 with 4 KB base pages)
 
 
-def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now") -> torch.Tensor:
     """Zeros on the CPU in memory the kernel backs with transparent huge pages where it allows
     (THP in ``madvise`` mode needs this advice; ``always`` gives them anyway; ``never``: 4 KB
     pages as before): for memory a role streams through every step. A KV pool read at random
     slots misses the TLB on nearly every slab with 4 KB pages (in a VM each miss is a
-    two-level walk) and the hardware prefetcher stops at every 4 KB boundary. Every page is touched here, so the memory is committed now, as with ``torch.zeros``
-    (which this falls back to below one huge page or where the advice is refused)."""
+    two-level walk) and the hardware prefetcher stops at every 4 KB boundary.
+
+    ``commit``: ``now`` touches every page here, so the memory is committed now, as with
+    ``torch.zeros`` (which this falls back to below one huge page or where the advice is
+    refused); ``background``: a thread faults the pages in without writing them
+    (:func:`populate`), so the caller goes on at once and may use the memory meanwhile; ``lazy``:
+    each page on its first use (for memory the caller writes whole right away)."""
+    if commit not in ("now", "background", "lazy"):
+        raise ValueError(f"commit must be now, background or lazy; got {commit!r}")
     numel = math.prod(int(n) for n in shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -185,4 +194,22 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     except (OSError, ValueError):
         return torch.zeros(tuple(shape), dtype=dtype)
     out = torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))  # holds buf
-    return out.zero_()  # fault every page in now (as huge pages where the kernel has them)
+    if commit == "now":
+        return out.zero_()  # fault every page in now (as huge pages where the kernel has them)
+    if commit == "background":
+        threading.Thread(target=populate, args=(out,), daemon=True,
+                         name="lamina-populate").start()
+    return out  # an anonymous mapping reads as zeros
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, leaving their contents
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Fault the pages of CPU tensor ``t`` in, writable, without writing them (safe while
+    others use ``t``); False where the kernel cannot (before Linux 5.14, or not Linux): the
+    pages then fault in on first use."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    addr, n = t.data_ptr(), t.numel() * t.element_size()
+    return libc.madvise(ctypes.c_void_p(addr - addr % mmap.PAGESIZE),
+                        ctypes.c_size_t(n + addr % mmap.PAGESIZE), MADV_POPULATE_WRITE) == 0

@@ -60,8 +60,9 @@ class KVPool:
         self.device = torch.device(device)
         shape = (self.num_layers, self.capacity, self.num_kv_heads, self.head_dim)
         if self.device.type == "cpu":  # in huge pages: slots are read at random
-            self.k_cache = huge_page_zeros(shape, dtype)
-            self.v_cache = huge_page_zeros(shape, dtype)
+            # committed in the background: a node answers its first PING without waiting
+            self.k_cache = huge_page_zeros(shape, dtype, commit="background")
+            self.v_cache = huge_page_zeros(shape, dtype, commit="background")
         else:
             self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)

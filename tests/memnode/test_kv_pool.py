@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.device import HUGE_PAGE, huge_page_zeros
+from lamina.device import HUGE_PAGE, huge_page_zeros, populate
 from lamina.memnode.kv_pool import KVPool, available_memory
 
 
@@ -95,10 +95,11 @@ def _thp_eligible(addr: int) -> bool | None:
     return None
 
 
+@pytest.mark.parametrize("commit", ["now", "background", "lazy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_huge_page_zeros_is_zeroed_writable_and_huge_page_eligible(dtype):
+def test_huge_page_zeros_is_zeroed_writable_and_huge_page_eligible(dtype, commit):
     shape = (2, HUGE_PAGE // 64, 4, 8)  # 2 * 2 MiB / 64 * 32 elements: several huge pages
-    t = huge_page_zeros(shape, dtype)
+    t = huge_page_zeros(shape, dtype, commit)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert not t.any()
     t[1, 5] = 3.0
@@ -107,6 +108,16 @@ def test_huge_page_zeros_is_zeroed_writable_and_huge_page_eligible(dtype):
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this host has no transparent huge pages")
     assert _thp_eligible(t.data_ptr()) is not False  # advised (or THP always on)
+
+
+def test_populate_faults_pages_in_without_writing_them():
+    t = huge_page_zeros((4 * HUGE_PAGE // 4,), torch.float32, "lazy")
+    t[7] = 5.0
+    if not populate(t):
+        pytest.skip("this kernel cannot populate without writing (Linux < 5.14)")
+    assert float(t[7]) == 5.0 and float(t.sum()) == 5.0  # nothing overwritten
+    with pytest.raises(ValueError, match="commit"):
+        huge_page_zeros((HUGE_PAGE,), torch.float32, "later")
 
 
 def test_small_pools_and_the_pool_itself():
