@@ -362,64 +362,6 @@ class Deployment(KVMoves):
                             self.slabs(used))
         return load, entries
 
-    # -- loans -----------------------------------------------------------------------------------
-    def _loan(self, debtor: int, creditor: int, cnode: int) -> Loan:
-        """The debtor's loan on creditor's node ``cnode``, attaching the node on first use."""
-        for loan in self.loans.values():
-            if (loan.debtor, loan.creditor, loan.creditor_node) == (debtor, creditor, cnode):
-                return loan
-        d = self.instances[debtor]
-        index = d.engine.attach(self.instances[creditor].share(cnode), 0)
-        loan = Loan(debtor, index, creditor, cnode)
-        self.loans[(debtor, index)] = loan
-        return loan
-
-    def lend(self, loan: Loan, slots: int) -> None:
-        """Move ``slots`` free slots of the creditor's node into the debtor's loan (a negative
-        count gives them back)."""
-        self.instances[loan.creditor].scheduler.resize(loan.creditor_node, -slots)
-        self.instances[loan.debtor].scheduler.resize(loan.debtor_node, slots)
-        loan.slots += slots
-
-    def _reclaim(self) -> None:
-        """Give back loans' idle slots: all of them once the debtor has no KV there, else all but
-        one slab's worth of headroom (so a decoding request does not borrow every step)."""
-        for loan in self.loans.values():
-            s = self.instances[loan.debtor].scheduler
-            idle = min(s.free[loan.debtor_node], loan.slots)
-            if idle < loan.slots:  # in use: keep a slab of headroom
-                idle = max(idle - self.slab, 0)
-            if idle:
-                self.lend(loan, -idle)
-
-    def borrow(self, debtor: int, req: Request, num_slots: int) -> bool:
-        """Reactive borrowing of ``num_slots`` for ``req``, from as many creditors as it takes
-        (see :class:`lamina.engine.scheduler.Lender`); True if any slot was lent."""
-        used = {sh.node for sh in req.shards}
-        tail = req.shards[-1].node if req.shards else None
-        exclude: list[int] = [x.inst_id for x in self.instances if x.failed is not None]
-        got = 0
-        while got < num_slots:
-            res = self.gmanager.call("try_borrow", debtor, self.slabs(num_slots - got),
-                                     tuple(exclude))
-            if res is None:
-                break
-            exclude.append(res.dst)
-            creditor = self.instances[res.dst]
-            want, lent = res.num_slabs * self.slab, 0
-            for cnode in sorted(range(creditor.own_nodes), key=lambda n: -creditor.scheduler.free[n]):
-                loan = self._loan(debtor, res.dst, cnode)
-                if loan.debtor_node in used and loan.debtor_node != tail:
-                    continue  # a request holds one contiguous shard per node
-                take = min(want - lent, creditor.scheduler.free[cnode])
-                if take > 0:
-                    self.lend(loan, take)
-                    lent += take
-                if lent >= want:
-                    break
-            creditor.rmanager.ack(res.res_id)
-            got += lent
-        return got > 0
 
 class _Lender:
     """An instance's :class:`lamina.engine.scheduler.Lender`: the deployment's gManager and loans."""
