@@ -16,7 +16,7 @@ Channels of replica ``i`` (shm on one host, tcp across hosts; wire protocol, no 
   its attention runs (``layer``: the slice it feeds; meta: value names, ATTEND parts per node).
 
 The main thread receives on the engine's and the nodes' links itself where they are shm rings
-(one native wait over those rings and the inbox, :class:`~lamina.transport.waitset.WaitSet`: a
+(one native wait over those rings and the inbox, :class:`~lamina.computenode.inbox.Inbox`: a
 RESULT wakes the thread that merges it); every other inbound channel has a reader thread that
 puts messages into the inbox. The main thread files each message under its step and runs every
 slice whose context and attention results have arrived (oldest micro-batch first). A failing
@@ -27,8 +27,6 @@ has its next slice pre-launched once its ATTENDs are sent, behind a device flag 
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 
 from lamina import stages
+from lamina.computenode.inbox import WAKE_S, Inbox
 from lamina.computenode.polling import eager_module_loading, make_polling
 from lamina.computenode.gguf_linear import blocks_for
 from lamina.computenode.replica import ComputeReplica
@@ -44,16 +43,13 @@ from lamina.config import KernelConfig, PipelineConfig, use_kernels
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.transport import codec
-from lamina.transport import shm_fast
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
-from lamina.transport.endpoint import SPIN_US, Listening, connect, listen
-from lamina.transport.waitset import TIMED_OUT, WaitSet
+from lamina.transport.endpoint import SPIN_US, connect, listen
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, AttendResult, PrepareMsg
 
 codec.register_error(NodeFailure)
-WAKE_S = 0.05  # the main thread checks the links it waits on at least this often
 
 
 @dataclass
@@ -124,17 +120,12 @@ class ReplicaServer:
         self.nodes: list = []
         self.next = None  # channel to replica index+1 (None: N == 1)
         self.prev = None  # the link replica index-1 sends contexts on (None: N == 1)
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: on the hot path
         self.slots: dict[int, int] = {}  # micro-batch slot -> its current step id
         self.early: dict[int, list[tuple[Any, Message]]] = {}  # messages before their STEP
         self.last_step = -1  # newest STEP seen (the engine sends them in step id order)
         self.spans: list[list] = []  # timeline spans not yet sent to the engine
         self.failure: Exception | None = None
-        fast = shm_fast.load()
-        self.waits = WaitSet(fast, config.idle_spin_us) if fast is not None else None
-        self.direct: list[tuple[Any, Any]] = []  # (source, channel) received on here
-        self.rings: list[tuple[int, int, int]] = []  # their wait handles
-        self.spin = self.waits.spin(WAKE_S) if self.waits is not None else (0, 0)  # exchange's
+        self.inbox = Inbox(config.idle_spin_us, self._current)
         polling = make_polling(config.device_polling, replica.device, config.micro_batches,
                                config.max_step_tokens)
         pipeline = PipelineConfig(config.schedule, config.micro_batches, config.replicas,
@@ -142,75 +133,18 @@ class ReplicaServer:
         self.runner = SliceRunner({config.index: replica}, pipeline, self,
                                   peer_base=config.peer_base, polling=polling,
                                   span=self._span if config.trace else None)
-        self._receive("engine", ctrl)
+        self.inbox.add("engine", ctrl)
 
-    # -- plumbing -----------------------------------------------------------------------------
-    def _reader(self, source: Any, ch) -> None:
-        """Put every message of ``ch`` (a channel, or a :class:`Listening` whose peer has yet
-        to join) into the inbox, then the error that ended it."""
-        origin = ch
-
-        def loop() -> None:
-            try:
-                nonlocal ch
-                if isinstance(ch, Listening):
-                    ch = ch.channel()
-                while True:
-                    self.inbox.put((source, ch.recv()))
-                    if self.waits is not None:
-                        self.waits.post()
-            except BaseException as e:  # noqa: BLE001 - reported to the main loop
-                if (self.nodes[source[1]] if isinstance(source, tuple) else
-                        self.prev if source == "previous" else origin) is not origin:
-                    return  # the link of a role that was replaced: its end is no failure
-                self.inbox.put((source, e))
-                if self.waits is not None:
-                    self.waits.post()
-        threading.Thread(target=loop, daemon=True, name=f"reader-{source}").start()
-
-    def _receive(self, source: Any, ch) -> None:
-        """Receive ``ch``'s messages on the main thread where the channel allows (the engine's
-        and the nodes' shm rings), else with a reader thread."""
-        handle = ch.wait_handle() if self.waits is not None else None
-        if handle is None:
-            self._reader(source, ch)
-        else:
-            self.direct.append((source, ch))
-            self.rings.append(handle)
-
-    def _take(self) -> tuple[Any, Any]:
-        """The next ``(source, message or the error that ended its channel)``: the inbox's, or
-        one from a ring this thread receives on, waiting on both at once."""
-        while True:
-            seen = self.waits.posted if self.direct else 0
-            try:
-                return self.inbox.get_nowait()
-            except queue.Empty:
-                if not self.direct:
-                    return self.inbox.get()
-            got = self.waits.wait(self.rings, seen, WAKE_S)
-            if got >= 0:
-                source, ch = self.direct[got]
-                try:
-                    return source, ch.recv()
-                except BaseException as e:  # noqa: BLE001 - as a reader thread reports it
-                    self._forget(got)
-                    return source, e
-            if got == TIMED_OUT:  # check the peers, as a receive does every wake interval
-                for i, (source, ch) in enumerate(self.direct):
-                    try:
-                        ch.check_peer()
-                    except BaseException as e:  # noqa: BLE001
-                        self._forget(i)
-                        return source, e
-
-    def _forget(self, i: int) -> None:
-        del self.direct[i], self.rings[i]
+    def _current(self, source: Any, link: Any) -> bool:
+        """Whether ``link`` is still ``source``'s (a replaced role's link is not)."""
+        if isinstance(source, tuple):
+            return self.nodes[source[1]] is link
+        return self.prev is link if source == "previous" else True
 
     def run(self) -> None:
         try:
             while True:
-                source, item = self._take()
+                source, item = self.inbox.take()
                 if source == "engine":
                     if isinstance(item, BaseException) or not self._control(item):
                         return
@@ -259,7 +193,7 @@ class ReplicaServer:
                 reply.step_id = msg.step_id  # the engine may match it among its steps' replies
                 self.ctrl.send(reply)
                 self.prev, self.failure = lst, None  # (again: the previous replica restarted)
-                self._reader("previous", lst)
+                self.inbox.read("previous", lst)
                 return True
             if msg.kind == MsgKind.CONNECT:
                 if msg.meta.get("at") is not None:  # a restarted node takes a dead one's place
@@ -267,7 +201,7 @@ class ReplicaServer:
                 else:
                     for ep in msg.meta["nodes"]:
                         self.nodes.append(connect(ep, spin_us=self.cfg.spin_us))
-                        self._receive(("node", len(self.nodes) - 1), self.nodes[-1])
+                        self.inbox.add(("node", len(self.nodes) - 1), self.nodes[-1])
                 if msg.meta.get("next") is not None:  # also: a restarted next replica's
                     old, self.next = self.next, connect(msg.meta["next"], spin_us=self.cfg.spin_us)
                     if old is not None:
@@ -297,11 +231,10 @@ class ReplicaServer:
         steps again (the engine reset every micro-batch in flight first)."""
         if not 0 <= k < len(self.nodes):
             raise ValueError(f"no memory node {k} to replace (this replica has {len(self.nodes)})")
-        for i in [i for i, (source, _) in enumerate(self.direct) if source == ("node", k)]:
-            self._forget(i)
+        self.inbox.drop(("node", k))
         old, self.nodes[k] = self.nodes[k], connect(endpoint, spin_us=self.cfg.spin_us)
         old.close()
-        self._receive(("node", k), self.nodes[k])
+        self.inbox.add(("node", k), self.nodes[k])
         self.failure = None
 
     def _step(self, msg: Message) -> None:
@@ -363,14 +296,14 @@ class ReplicaServer:
         here for its RESULT: one native call that sends and takes the reply
         (:meth:`RingChannel.exchange <lamina.transport.ring.RingChannel.exchange>`), then, if
         the RESULT is not the next message, :meth:`_await_result`."""
-        i = next((j for j, (s, _) in enumerate(self.direct) if s == ("node", node)), -1)
+        i = self.inbox.index(("node", node))
         if i < 0 or msg.works is not None:
             self.to_node(node, msg)
             return time.perf_counter_ns(), None
-        ch = self.direct[i][1]
+        ch = self.inbox.direct[i][1]
         try:
             sent_ns, got = ch.exchange(MsgKind.ATTEND, msg.step_id, msg.layer, msg.reply_to,
-                                       [msg.q, msg.k, msg.v], MsgKind.RESULT, *self.spin)
+                                       [msg.q, msg.k, msg.v], MsgKind.RESULT, *self.inbox.spin)
         except (PeerDied, ChannelClosed) as e:
             self._fail(NodeFailure(f"compute replica {self.cfg.index}: memory node {node} is "
                                    f"gone: {e}"))
@@ -384,8 +317,9 @@ class ReplicaServer:
         ring alone (no trip through the main loop). None once anything else needs the main
         loop: a message other than the PREPARE's OK (filed), a post from a reader thread, a
         wait interval without data, a failing receive (the main loop meets it again)."""
-        (source, ch), ring = self.direct[i], [self.rings[i]]
-        while self.waits.wait(ring, self.waits.posted, WAKE_S) == 0:
+        inbox = self.inbox
+        (source, ch), ring = inbox.direct[i], [inbox.rings[i]]
+        while inbox.waits.wait(ring, inbox.waits.posted, WAKE_S) == 0:
             try:
                 msg = ch.recv()
             except BaseException:  # noqa: BLE001 - the main loop's receive raises it again
