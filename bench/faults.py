@@ -12,7 +12,9 @@ instance and its unfinished requests recompute their KV.
 Reports: requests completed and failed, greedy outputs identical to the baseline, kills,
 recoveries (and how many were a memory node restarted alone), seconds from each kill to the
 instance serving again, tokens recomputed (KV lost with the node and prefilled again), wall time and
-per-request latency (p50, max) of both runs and their ratio. Writes
+per-request latency (p50, max) of both runs and their ratio, and the floor the kills set: the
+unfaulted wall plus the restarts plus the lost KV prefilled again at the unfaulted run's prefill
+rate (all prompt tokens over the time to the last first token). Writes
 bench/results/faults_cpu.{json,md} (``--spare``: faults_cpu_spare.{json,md}).
 
     python bench/faults.py                         # smollm2, 12 requests, a kill every 8 s
@@ -41,17 +43,22 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
-    """Stream the whole trace; per request its tokens, finish reason and latency (s)."""
+    """Stream the whole trace; per request its tokens, finish reason, latency (s) and time to
+    its first token (s)."""
     tokens: list[list[int]] = [[] for _ in prompts]
     reason: list[str | None] = [None] * len(prompts)
     latency = [math.nan] * len(prompts)
+    first = [math.nan] * len(prompts)
     t0 = time.perf_counter()
     for d in llm.generate_stream(prompts, params):
+        if d.token_ids and math.isnan(first[d.index]):
+            first[d.index] = time.perf_counter() - t0
         tokens[d.index] += d.token_ids
         if d.finished:
             reason[d.index] = d.finish_reason
             latency[d.index] = time.perf_counter() - t0
-    return dict(tokens=tokens, reason=reason, latency=latency, wall=time.perf_counter() - t0)
+    return dict(tokens=tokens, reason=reason, latency=latency, first=first,
+                wall=time.perf_counter() - t0)
 
 
 class Killer(threading.Thread):
@@ -152,6 +159,12 @@ def main(argv: list[str] | None = None) -> None:
                latency_max_s=dict(baseline=round(pct(base["latency"], 1.0), 2),
                                   faulted=round(pct(fault["latency"], 1.0), 2)))
     ratio = fault["wall"] / base["wall"]
+    # What the kills cost at the least: the restarts, plus recomputing the lost KV at the
+    # unfaulted run's prefill rate (every prompt token over the time to the last first token).
+    prefill_rate = sum(map(len, prompts)) / max(base["first"])
+    floor = base["wall"] + sum(killer.back) + recomputed / prefill_rate
+    res.update(prefill_tokens_per_s=round(prefill_rate, 1), floor_s=round(floor, 2),
+               floor_ratio=round(floor / base["wall"], 3))
     md = ["# Faults under load (bench/faults.py)", "",
           f"{a.model}, {len(prompts)} requests of a seeded mixed trace (greedy), "
           f"{a.memory} memory nodes, every role a process{' (a spare kept ahead)' if a.spare else ''}"
@@ -169,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
           f"| tokens generated / KV tokens recomputed | {res['generated_tokens']} / {recomputed} |",
           f"| wall s (unfaulted / faulted) | {base['wall']:.1f} / {fault['wall']:.1f} "
           f"({ratio:.2f}x) |",
+          f"| floor: unfaulted + restarts + recompute at {prefill_rate:.0f} prefill tokens/s "
+          f"| {floor:.1f} s ({floor / base['wall']:.2f}x) |",
           f"| latency p50 s (unfaulted / faulted) | {res['latency_p50_s']['baseline']} / "
           f"{res['latency_p50_s']['faulted']} |",
           f"| latency max s (unfaulted / faulted) | {res['latency_max_s']['baseline']} / "

@@ -11,8 +11,11 @@ used by :mod:`lamina.computenode.fused_ops`);
 (``q[T,H,D]``, ``k_pool/v_pool[S,Hkv,D]``, CSR ``qo_indptr[R+1]``/``kv_indptr[R+1]``/
 ``kv_indices[N]``, ``q_positions[T]``, ``kv_start_pos[R]``; returns ``o[T,H,D]`` in q's dtype and
 ``lse[T,H]`` float32, ``o = 0, lse = -inf`` where a query sees no key). It takes CPU tensors
-with float32 or bfloat16 pools (last dimension contiguous) and float32 / bfloat16 / float16
-queries; other inputs go to the torch path (:func:`lamina.kernels.torch_sparse.paged_attention_cpu`).
+with pools in every KV format (:mod:`lamina.kernels.kv_format`: float32, bfloat16, int8 and
+float8 e4m3 with ``k_scale``/``v_scale[S, Hkv]``, bfloat16 K with int8 V; last dimension
+contiguous) and float32 / bfloat16 / float16 queries; other float inputs go to the torch path
+(:func:`lamina.kernels.torch_sparse.paged_attention_cpu`). ``kv_store`` writes K or V into an
+8-bit pool, quantised (the bytes of :meth:`lamina.kernels.kv_format.KVPart.quantize`).
 Computation is float32. Threads: torch's intra-op pool (``torch.set_num_threads``).
 
 Build: :func:`load` compiles the sources on first use and caches them (~30 s once per CPU,
@@ -42,7 +45,9 @@ SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_lin
                                           "quant_linear_cpu.cpp", "fused_cpu.cpp",
                                           "bindings.cpp"))
 HEADERS = (_CSRC / "simd.h",)
-POOL_DTYPES = (torch.float32, torch.bfloat16)
+POOLS = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+         (torch.int8, torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn),
+         (torch.bfloat16, torch.int8))  # (K, V) pool dtypes: every KV format's
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 EXTENSION = Extension("lamina_paged_attention", SOURCES, HEADERS, fallback="the torch paths")
@@ -71,7 +76,7 @@ def cpp_eligible(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
     to the torch path)."""
     return (q.device.type == "cpu" and k_pool.device.type == "cpu"
             and v_pool.device.type == "cpu" and q.dtype in Q_DTYPES
-            and k_pool.dtype in POOL_DTYPES and v_pool.dtype == k_pool.dtype
+            and (k_pool.dtype, v_pool.dtype) in POOLS
             and k_pool.dim() == 3 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1)
 
 
@@ -85,8 +90,12 @@ def attention_fn() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     kernel = ext.paged_attention
 
     def paged_attention_bound(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
-                              kv_start_pos, spec):
+                              kv_start_pos, spec, k_scale=None, v_scale=None):
         check_shapes(q, k_pool, spec)
+        if k_scale is not None or v_scale is not None:  # 8-bit pools: only this kernel
+            return kernel(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
+                          kv_start_pos, float(spec.scale), int(spec.window or 0),
+                          float(spec.softcap or 0.0), k_scale, v_scale)
         if not cpp_eligible(q, k_pool, v_pool):
             from lamina.kernels.torch_sparse import paged_attention_cpu
             return paged_attention_cpu(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
@@ -100,9 +109,10 @@ def attention_fn() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
 def paged_attention_cpp(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                         kv_indices: torch.Tensor, q_positions: torch.Tensor,
-                        kv_start_pos: torch.Tensor,
-                        spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+                        kv_start_pos: torch.Tensor, spec: AttentionSpec,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention by the C++ kernel (see the module docstring); raises ``RuntimeError``
     naming the cause when the extension cannot be built."""
     return attention_fn()(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
-                          kv_start_pos, spec)
+                          kv_start_pos, spec, k_scale, v_scale)

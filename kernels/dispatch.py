@@ -32,6 +32,7 @@ from lamina import env
 from lamina.config import kernels_in_use
 
 from lamina.kernels import cpp_ext
+from lamina.kernels.kv_format import KVFormat
 from lamina.kernels.reference import merge_states_ref, paged_attention_ref
 from lamina.kernels.torch_batched import paged_attention_batched
 from lamina.kernels.torch_sparse import paged_attention_cpu
@@ -83,21 +84,39 @@ def resolve(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Ten
           "torch": paged_attention_cpu, "batched": paged_attention_batched}.get(
               backend, paged_attention_ref)
 
-    def on_device_indptrs(q, k_pool, v_pool, qo_indptr, kv_indptr, *rest):
+    def on_device_indptrs(q, k_pool, v_pool, qo_indptr, kv_indptr, *rest, **scales):
         # host indptrs (the memory node's) are for Triton's planning; the others copy them over
-        return fn(q, k_pool, v_pool, qo_indptr.to(q.device), kv_indptr.to(q.device), *rest)
+        return fn(q, k_pool, v_pool, qo_indptr.to(q.device), kv_indptr.to(q.device), *rest,
+                  **scales)
     return on_device_indptrs if device.type != "cpu" else fn
+
+
+def check_format(device: torch.device, fmt: KVFormat) -> None:
+    """Raise ``ValueError`` (at a node's start) unless the attention kernel for ``device`` reads
+    pools in KV format ``fmt``: every kernel reads float32 and bfloat16 pools; 8-bit ones
+    (``int8``, ``fp8_e4m3``, ``k16v8``) are read by the C++ and Triton kernels and the
+    reference, not by the torch paths (``torch``, ``batched``)."""
+    if not fmt.scaled:
+        return
+    backend = backend_for(device)
+    if backend not in ("cpp", "triton", "ref"):
+        raise ValueError(f"kv_dtype {fmt.name}: the {backend} attention kernel on "
+                         f"{device.type} reads float32 and bfloat16 KV only; 8-bit KV needs "
+                         "the C++ kernel (CPU), the Triton kernel (CUDA) or ref")
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                     q_positions: torch.Tensor, kv_start_pos: torch.Tensor,
-                    spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+                    spec: AttentionSpec, **scales: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention; see :mod:`lamina.kernels.reference` for the contract. ``qo_indptr``
     and ``kv_indptr`` may also be host tensors: Triton then plans without waiting for the
-    device (and reuses the plan across a step's layers); other backends copy them over."""
+    device (and reuses the plan across a step's layers); other backends copy them over.
+    ``scales``: ``k_scale``/``v_scale[S, Hkv]`` of 8-bit pools (:func:`check_format` says
+    which backends read them)."""
     return resolve(q.device)(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions,
-                             kv_start_pos, spec)
+                             kv_start_pos, spec, **scales)
 
 
 def merge_states(os: torch.Tensor | list[torch.Tensor],

@@ -54,11 +54,20 @@ def check_shapes(q: torch.Tensor, k_pool: torch.Tensor, spec: AttentionSpec) -> 
                          f"D={spec.head_dim})")
 
 
+def _rows(pool: torch.Tensor, scale: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
+    """float32 K or V rows ``pool[idx]``, dequantised with their scales where given."""
+    rows = pool[idx].float()
+    return rows if scale is None else rows * scale[idx][..., None]
+
+
 def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                         q_positions: torch.Tensor, kv_start_pos: torch.Tensor,
-                        spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference paged attention, one request at a time (see module docstring)."""
+                        spec: AttentionSpec, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference paged attention, one request at a time (see module docstring); an 8-bit pool
+    (:mod:`lamina.kernels.kv_format`) is dequantised with its ``k_scale``/``v_scale[S,Hkv]``,
+    then attended."""
     T, H, D = q.shape
     o = q.new_zeros(T, H, D)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
@@ -72,7 +81,8 @@ def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         idx = kv_indices[ks:ke].long()
         k_pos = torch.arange(starts[r], starts[r] + ke - ks, device=q.device)
         o[qs:qe], lse[qs:qe] = attention_over_keys(
-            q[qs:qe], k_pool[idx], v_pool[idx], q_positions[qs:qe].long(), k_pos, spec)
+            q[qs:qe], _rows(k_pool, k_scale, idx), _rows(v_pool, v_scale, idx),
+            q_positions[qs:qe].long(), k_pos, spec)
     return o, lse
 
 

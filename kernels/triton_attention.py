@@ -34,8 +34,8 @@ from lamina.types import AttentionSpec
 
 
 @triton.jit
-def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, kv_indices_ptr, q_pos_ptr, work_ptr,
-                       qo_indptr_ptr, kv_indptr_ptr, kv_start_ptr,
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_indices_ptr, q_pos_ptr,
+                       work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_start_ptr,
                        out_o_ptr, out_lse_ptr,
                        num_work, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                        scale, softcap, window, chunk_size,
@@ -43,12 +43,17 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, kv_indices_ptr, q_pos_ptr, work_ptr,
                        GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                       SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+                       SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+                       K_SCALED: tl.constexpr, V_SCALED: tl.constexpr):
     """One (work item, kv head): tile rows are m = query * GP + g (g < G real, rest padding).
 
     F32_DOT: both dots take float32 operands with IEEE precision (float32 inputs, where TF32
     would lose accuracy, and the CPU interpreter, whose bfloat16 ``tl.dot`` is wrong); otherwise
     the dots run on the native 16-bit type with float32 accumulation.
+
+    K_SCALED / V_SCALED: an 8-bit pool (int8 or float8 e4m3) whose float32 scales
+    ``[S, NUM_KV_HEADS]`` multiply a key's scores / a value's softmax weight; its elements are
+    widened exactly to the dot's operand type.
 
     ``work_ptr`` holds int32 ``[3, num_work]``: request, query block, kv chunk.
     SPLIT: write float32 partials to ``out_o[(w*Hkv+kvh)*BLOCK_M + m, D]``, ``out_lse[...]``;
@@ -107,7 +112,10 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, kv_indices_ptr, q_pos_ptr, work_ptr,
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if K_SCALED:
+            ks = tl.load(k_scale_ptr + slot * NUM_KV_HEADS + kvh, mask=n_ok, other=0.0)
+            s = s * ks[None, :]
         s = s * scale
         if HAS_SOFTCAP:
             # softcap * tanh(s / softcap) with tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|)
@@ -125,10 +133,13 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, kv_indices_ptr, q_pos_ptr, work_ptr,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_SCALED:  # after the sum: only the weighted values take the scales
+            vsc = tl.load(v_scale_ptr + slot * NUM_KV_HEADS + kvh, mask=n_ok, other=0.0)
+            p = p * vsc[None, :]
         if F32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -151,7 +162,9 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, kv_indices_ptr, q_pos_ptr, work_ptr,
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, q_positions: torch.Tensor,
-                           kv_start_pos: torch.Tensor, spec: AttentionSpec, *,
+                           kv_start_pos: torch.Tensor, spec: AttentionSpec,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None, *,
                            kv_chunk: int | None = None, block_n: int | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention in Triton; see the module docstring for the contract.
@@ -163,7 +176,9 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     tensors (then a CUDA call never waits for the device, and the plan is reused by later
     calls with equal indptrs: a step's other layers), else they are copied back (a wait).
     Not CUDA-graph capturable as a whole (it plans and allocates); :func:`launch` is, and
-    :mod:`lamina.kernels.triton_graphs` captures it per padded shape.
+    :mod:`lamina.kernels.triton_graphs` captures it per padded shape. 8-bit pools (int8 or
+    float8_e4m3fn, :mod:`lamina.kernels.kv_format`) come with ``k_scale``/``v_scale[S, Hkv]``
+    float32; a pool in q's dtype or, for float32 q, bfloat16 needs none.
     """
     T, H, D = q.shape
     S, Hkv, Dk = k_pool.shape
@@ -171,9 +186,19 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise ValueError(f"paged_attention: q{tuple(q.shape)} / k_pool{tuple(k_pool.shape)} do not "
                          f"match spec (H={spec.num_heads}, Hkv={spec.num_kv_heads}, "
                          f"D={spec.head_dim})")
-    if v_pool.shape != k_pool.shape or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError("paged_attention: k_pool/v_pool must match each other in shape and q "
-                         "in dtype")
+    if v_pool.shape != k_pool.shape:
+        raise ValueError("paged_attention: k_pool and v_pool differ in shape")
+    for pool, sc, name in ((k_pool, k_scale, "k"), (v_pool, v_scale, "v")):
+        eight = pool.dtype in (torch.int8, torch.float8_e4m3fn)
+        if eight != (sc is not None) or not (eight or pool.dtype == q.dtype or (
+                pool.dtype == torch.bfloat16 and q.dtype == torch.float32)):
+            raise ValueError(f"paged_attention: a {pool.dtype} {name}_pool with "
+                             f"{'no' if sc is None else 'a'} {name}_scale for {q.dtype} queries "
+                             "(8-bit pools need scales, float pools q's dtype or bfloat16)")
+        if sc is not None and (sc.dtype != torch.float32 or tuple(sc.shape) != (S, Hkv)
+                               or not sc.is_contiguous()):
+            raise ValueError(f"paged_attention: {name}_scale must be contiguous float32 "
+                             f"[S, Hkv] = {(S, Hkv)}")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"paged_attention: unsupported dtype {q.dtype}")
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
@@ -202,13 +227,14 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     kv_indices, q_positions, kv_start_pos = (t if t.device == dev else t.to(dev) for t in
                                              (kv_indices, q_positions, kv_start_pos))
     launch(q, k_pool, v_pool, kv_indices.contiguous(), q_positions.contiguous(),
-           kv_start_pos.contiguous(), lp, o, lse, spec)
+           kv_start_pos.contiguous(), lp, o, lse, spec, k_scale, v_scale)
     return o, lse
 
 
 def launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
            q_positions: torch.Tensor, kv_start_pos: torch.Tensor, lp: _LaunchPlan,
-           o: torch.Tensor, lse: torch.Tensor, spec: AttentionSpec) -> None:
+           o: torch.Tensor, lse: torch.Tensor, spec: AttentionSpec,
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Queue the attention kernel (and, for a split plan, the merge) of plan ``lp`` on the
     current stream: no allocation, no host sync, so a CUDA graph can capture it. Inputs
     contiguous in their last dim and on q's device; ``o[T,H,D]``/``lse[T,H]`` contiguous
@@ -218,7 +244,8 @@ def launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indic
     split = lp.o_part is not None
     block_d = max(16, triton.next_power_of_2(D))
     _paged_attn_kernel[(lp.W, Hkv)](
-        q, k_pool, v_pool, kv_indices, q_positions, lp.work, lp.qo, lp.kv, kv_start_pos,
+        q, k_pool, v_pool, q if k_scale is None else k_scale, q if v_scale is None else v_scale,
+        kv_indices, q_positions, lp.work, lp.qo, lp.kv, kv_start_pos,
         lp.o_part if split else o, lp.lse_part if split else lse,
         lp.W, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1),
@@ -227,6 +254,7 @@ def launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indic
         BLOCK_N=lp.block_n, D=D, BLOCK_D=block_d, HAS_WINDOW=spec.window is not None,
         HAS_SOFTCAP=bool(spec.softcap), SPLIT=split,
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
         num_warps=8 if block_d >= 128 else 4)  # 4 warps spill at D=128 (ptxas, sm_90)
     if split:
         launch_merge(lp.o_part, lp.lse_part, o, lse, num_rows=T * H, num_parts=lp.max_ch,

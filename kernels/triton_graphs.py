@@ -229,13 +229,17 @@ def _replay(fam: Family, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def paged_attention_graphed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                             kv_indices: torch.Tensor, q_positions: torch.Tensor,
-                            kv_start_pos: torch.Tensor, spec: AttentionSpec
+                            kv_start_pos: torch.Tensor, spec: AttentionSpec,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention from a padded shape's graph; the contract of
     :func:`~lamina.kernels.triton_attention.paged_attention_triton`. Device indptrs, more than
-    :data:`MAX_GRAPH_TOKENS` queries, a stream that is capturing, or pools whose last dim is
-    strided run the eager kernel."""
+    :data:`MAX_GRAPH_TOKENS` queries, a stream that is capturing, pools whose last dim is
+    strided, or 8-bit pools (``k_scale``/``v_scale``; not captured yet) run the eager kernel."""
     args = (q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec)
+    if k_scale is not None or v_scale is not None:
+        return paged_attention_triton(*args, k_scale, v_scale)
     T, H, D = q.shape
     Hkv = k_pool.shape[1]
     eligible = qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu" \

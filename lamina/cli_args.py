@@ -11,6 +11,7 @@ import argparse
 
 from lamina.config import (ATTENTION_KERNELS, PLACEMENTS, POLLING, SCHEDULES, SETTINGS, TRANSPORTS,
                            deployment_config)
+from lamina.types import KV_DTYPES
 
 # setting -> (help, choices); the groups list the flags in --help order
 _HELP: dict[str, tuple[str, tuple | None]] = {
@@ -43,6 +44,9 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
                    "so it attends the first while the rest arrive", None),
     "kv_cache_gb": ("KV budget per memory node", None),
     "kv_cache_tokens": ("exact KV slots per memory node", None),
+    "kv_dtype": ("how memory nodes store KV: auto (the model's dtype), float32, bfloat16, int8 or "
+                 "fp8_e4m3 (8 bits with a scale per token and head), k16v8 (bfloat16 keys, int8 "
+                 "values); 8-bit KV needs CPU memory nodes", KV_DTYPES),
     "slab_size": ("KV slots per slab (the unit of lending and moving)", None),
     "max_num_seqs": ("requests running at once", None),
     "max_num_batched_tokens": ("tokens per step (the chunked-prefill budget)", None),
@@ -55,7 +59,7 @@ _GROUPS = {
     "placement": ("compute", "memory", "instances", "placement", "transport", "address", "device",
                   "memory_device", "cuda_graphs", "device_polling", "kernels", "spare"),
     "pipelining": ("micro_batches", "pipeline", "attn_parts"),
-    "KV cache and scheduling": ("kv_cache_gb", "kv_cache_tokens", "slab_size", "max_num_seqs",
+    "KV cache and scheduling": ("kv_cache_gb", "kv_cache_tokens", "kv_dtype", "slab_size", "max_num_seqs",
                                 "max_num_batched_tokens", "borrowing", "plan_every"),
 }
 _TYPES = {"kv_cache_tokens": int, "micro_batches": int}  # settings whose default is None

@@ -12,6 +12,7 @@ import torch
 
 from lamina import env
 from lamina.device import Device, default_cores, parse, split
+from lamina.types import KV_DTYPES
 
 SCHEDULES = ("none", "fixed", "rotational")  # pipelines (lamina.computenode.schedule)
 PLACEMENTS = ("inproc", "procs", "ray")
@@ -99,13 +100,18 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """KV budget per memory node: ``kv_cache_gb``, or exactly ``kv_cache_tokens`` slots;
-    ``slab_size`` slots are the unit of lending and moving KV between pools."""
+    ``slab_size`` slots are the unit of lending and moving KV between pools; ``kv_dtype``: how
+    pools store K and V (:mod:`lamina.kernels.kv_format`: ``auto`` is the model's dtype;
+    ``float32``, ``bfloat16``, ``int8``, ``fp8_e4m3``, ``k16v8`` = bfloat16 keys, int8 values)."""
 
     kv_cache_gb: float = 1.0
     kv_cache_tokens: int | None = None
     slab_size: int = 256
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.slab_size < 1:

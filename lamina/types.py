@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# KV formats a memory node's pool may hold (lamina.kernels.kv_format; ``auto``: the model's dtype)
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3", "k16v8")
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -164,12 +167,16 @@ class AttendResult:
 @dataclass
 class KVChunk:
     """EXPORT's answer / IMPORT's payload: a request's K/V for positions
-    ``start_pos .. start_pos+n-1`` over all layers, ``k/v[L,n,Hkv,D]``."""
+    ``start_pos .. start_pos+n-1`` over all layers, ``k/v[L,n,Hkv,D]`` as the exporting pool
+    stores them, with ``k_scale``/``v_scale[L,n,Hkv]`` float32 for a part stored in 8 bits
+    (:mod:`lamina.kernels.kv_format`; None otherwise)."""
 
     req_id: int
     start_pos: int
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass

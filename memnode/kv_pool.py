@@ -1,13 +1,15 @@
 """The KV pool of one memory node: per-layer K and V tensors on one device.
 
-Layout: ``k_cache[L, S, Hkv, D]`` and ``v_cache`` alike, one allocation each; ``k(layer)`` is the
-contiguous ``[S, Hkv, D]`` view that :func:`lamina.kernels.paged_attention` reads. Slot ``s``
+Layout: ``k_cache[L, S, Hkv, D]`` and ``v_cache`` alike, one allocation each, in the storage of
+the pool's KV format (:mod:`lamina.kernels.kv_format`); an 8-bit part has ``k_scale[L, S, Hkv]``
+(or ``v_scale``) float32 beside it. ``k(layer)`` is the contiguous ``[S, Hkv, D]`` view that
+:func:`lamina.kernels.paged_attention` reads, ``scales(layer)`` its scales. Slot ``s``
 of every layer belongs to the same token; which slots are live is the allocator's business
 (:mod:`lamina.memnode.allocator`), not the pool's: the pool only moves bytes.
 
 Slot indices may be numpy arrays, lists or int tensors on any device; they are moved to the
-pool's device. Tensors written into the pool are copied (cast to the pool dtype); tensors read
-out (:meth:`KVPool.gather`) are new tensors owned by the caller.
+pool's device. Tensors written into the pool are copied (cast, or quantised, to the pool's
+format); tensors read out (:meth:`KVPool.gather`) are new tensors owned by the caller.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import numpy as np
 import torch
 
 from lamina.device import huge_page_zeros
+from lamina.kernels import cpp_ext
+from lamina.kernels.kv_format import KVFormat, kv_format
 
 __all__ = ["KVPool", "available_memory"]
 
@@ -45,10 +49,12 @@ def available_memory(device: torch.device | str = "cpu") -> int:
 
 
 class KVPool:
-    """K/V storage for ``num_layers`` attention layers, ``capacity_slots`` tokens each."""
+    """K/V storage for ``num_layers`` attention layers, ``capacity_slots`` tokens each, in the
+    KV format ``fmt`` (:mod:`lamina.kernels.kv_format`: a format, its name, or a float dtype)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_slots: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 fmt: KVFormat | str | torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         if min(num_layers, num_kv_heads, head_dim) <= 0 or capacity_slots < 0:
             raise ValueError(f"bad pool shape: layers={num_layers} kv_heads={num_kv_heads} "
                              f"head_dim={head_dim} capacity={capacity_slots}")
@@ -56,29 +62,32 @@ class KVPool:
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
         self.capacity = int(capacity_slots)
-        self.dtype = dtype
+        self.fmt = kv_format(fmt)
         self.device = torch.device(device)
         shape = (self.num_layers, self.capacity, self.num_kv_heads, self.head_dim)
-        if self.device.type == "cpu":  # in huge pages: slots are read at random
-            # committed in the background: a node answers its first PING without waiting
-            self.k_cache = huge_page_zeros(shape, dtype, commit="background")
-            self.v_cache = huge_page_zeros(shape, dtype, commit="background")
-        else:
-            self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+        def alloc(shape, dtype):
+            if self.device.type == "cpu":  # in huge pages: slots are read at random
+                # committed in the background: a node answers its first PING without waiting
+                return huge_page_zeros(shape, dtype, commit="background")
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_cache = alloc(shape, self.fmt.k.storage)
+        self.v_cache = alloc(shape, self.fmt.v.storage)
+        # float32 [L, S, Hkv] per 8-bit part (None for a float one)
+        self.k_scale = alloc(shape[:3], torch.float32) if self.fmt.k.scaled else None
+        self.v_scale = alloc(shape[:3], torch.float32) if self.fmt.v.scaled else None
 
     # -- sizing -------------------------------------------------------------------------------
     @staticmethod
     def bytes_per_slot_for(num_layers: int, num_kv_heads: int, head_dim: int,
-                           dtype: torch.dtype) -> int:
-        """Bytes one token occupies over all layers, K and V."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * elem
+                           fmt: KVFormat | str | torch.dtype) -> int:
+        """Bytes one token occupies over all layers, K and V (and their scales)."""
+        return num_layers * num_kv_heads * kv_format(fmt).bytes_per_token_head(head_dim)
 
     @property
     def bytes_per_slot(self) -> int:
         return self.bytes_per_slot_for(self.num_layers, self.num_kv_heads, self.head_dim,
-                                       self.dtype)
+                                       self.fmt)
 
     @property
     def nbytes(self) -> int:
@@ -86,42 +95,46 @@ class KVPool:
 
     @classmethod
     def capacity_for_bytes(cls, budget_bytes: int, num_layers: int, num_kv_heads: int,
-                           head_dim: int, dtype: torch.dtype = torch.float32,
+                           head_dim: int, fmt: KVFormat | str | torch.dtype = torch.float32,
                            slab_size: int = 1) -> int:
         """Most slots that fit in ``budget_bytes``, rounded down to a multiple of ``slab_size``."""
-        per = cls.bytes_per_slot_for(num_layers, num_kv_heads, head_dim, dtype)
+        per = cls.bytes_per_slot_for(num_layers, num_kv_heads, head_dim, fmt)
         slots = max(0, int(budget_bytes)) // per
         return slots - slots % max(1, slab_size)
 
     @classmethod
     def from_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    slab_size: int = 1) -> "KVPool":
+                    fmt: KVFormat | str | torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu", slab_size: int = 1) -> "KVPool":
         """A pool using at most ``budget_bytes`` (capacity a multiple of ``slab_size``)."""
-        cap = cls.capacity_for_bytes(budget_bytes, num_layers, num_kv_heads, head_dim, dtype,
+        cap = cls.capacity_for_bytes(budget_bytes, num_layers, num_kv_heads, head_dim, fmt,
                                      slab_size)
-        return cls(num_layers, num_kv_heads, head_dim, cap, dtype, device)
+        return cls(num_layers, num_kv_heads, head_dim, cap, fmt, device)
 
     @classmethod
     def from_free_memory(cls, fraction: float, num_layers: int, num_kv_heads: int,
-                         head_dim: int, dtype: torch.dtype = torch.float32,
+                         head_dim: int, fmt: KVFormat | str | torch.dtype = torch.float32,
                          device: torch.device | str = "cpu", slab_size: int = 1,
                          reserve_bytes: int = 0) -> "KVPool":
         """A pool taking ``fraction`` of the device's free memory minus ``reserve_bytes``."""
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         budget = int((available_memory(device) - reserve_bytes) * fraction)
-        return cls.from_budget(budget, num_layers, num_kv_heads, head_dim, dtype, device,
+        return cls.from_budget(budget, num_layers, num_kv_heads, head_dim, fmt, device,
                                slab_size)
 
     # -- access -------------------------------------------------------------------------------
     def k(self, layer: int) -> torch.Tensor:
-        """K of one layer, ``[S, Hkv, D]`` (a view into the pool)."""
-        return self.k_cache[layer]
+        """K of one layer, ``[S, Hkv, D]`` in the format's K dtype (a view into the pool)."""
+        return self.fmt.k.view(self.k_cache[layer])
 
     def v(self, layer: int) -> torch.Tensor:
-        """V of one layer, ``[S, Hkv, D]`` (a view into the pool)."""
-        return self.v_cache[layer]
+        """V of one layer, ``[S, Hkv, D]`` in the format's V dtype (a view into the pool)."""
+        return self.fmt.v.view(self.v_cache[layer])
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """K's and V's scales of one layer, ``[S, Hkv]`` float32 views (None: a float part)."""
+        return tuple(None if s is None else s[layer] for s in (self.k_scale, self.v_scale))
 
     def index(self, slots) -> torch.Tensor:
         """``slots`` as an int64 tensor on the pool's device, range-checked."""
@@ -136,7 +149,8 @@ class KVPool:
         return idx
 
     def store_kv(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k/v[n, Hkv, D]`` of one layer into ``slots[n]``.
+        """Write ``k/v[n, Hkv, D]`` (float values) of one layer into ``slots[n]``, quantised
+        where the format says so.
 
         An int64 tensor on the pool's device is taken as is (no range check, which would cost a
         device sync on CUDA): that is how :class:`MemoryNode` passes slots it allocated.
@@ -146,30 +160,57 @@ class KVPool:
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"layer {layer}: k/v must be {want}, got {tuple(k.shape)} and "
                              f"{tuple(v.shape)}")
-        self.k_cache[layer].index_copy_(0, idx, k.to(self.device, self.dtype))
-        self.v_cache[layer].index_copy_(0, idx, v.to(self.device, self.dtype))
+        ext = cpp_ext.load() if self.device.type == "cpu" and self.fmt.scaled else None
+        for part, data, scale, x in ((self.fmt.k, self.k_cache, self.k_scale, k),
+                                     (self.fmt.v, self.v_cache, self.v_scale, v)):
+            x = x.to(self.device)
+            if ext is not None and part.scaled:  # quantised in place, same bytes as below
+                ext.kv_store(part.view(data[layer]), scale[layer], idx, x)
+                continue
+            q, s = part.quantize(x)
+            data[layer].index_copy_(0, idx, q)
+            if s is not None:
+                scale[layer].index_copy_(0, idx, s)
 
-    def gather(self, slots, layers: Sequence[int] | range | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of K and V at ``slots[n]`` for ``layers`` (all by default): ``[len(layers), n, Hkv, D]``."""
+    def gather(self, slots, layers: Sequence[int] | range | None = None) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Copies of K and V at ``slots[n]`` for ``layers`` (all by default) as stored:
+        ``k/v[len(layers), n, Hkv, D]`` and their scales ``[len(layers), n, Hkv]`` (None for a
+        float part)."""
         idx = self.index(slots)
         lay = torch.tensor(self._layers(layers), dtype=torch.int64, device=self.device)
         sel = (lay[:, None], idx[None, :])  # one advanced index: never copies whole layers
-        return self.k_cache[sel], self.v_cache[sel]
+        return (self.k_cache[sel], self.v_cache[sel],
+                None if self.k_scale is None else self.k_scale[sel],
+                None if self.v_scale is None else self.v_scale[sel])
 
     def scatter(self, slots, k: torch.Tensor, v: torch.Tensor,
-                layers: Sequence[int] | range | None = None) -> None:
-        """Inverse of :meth:`gather`: write ``k/v[len(layers), n, Hkv, D]`` into ``slots[n]``."""
+                layers: Sequence[int] | range | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> None:
+        """Inverse of :meth:`gather`: write ``k/v[len(layers), n, Hkv, D]`` into ``slots[n]``:
+        as stored (with their scales) when they come in this pool's format, else float values,
+        quantised where the format says so."""
         idx = self.index(slots)
         lay = self._layers(layers)
         want = (len(lay), idx.numel(), self.num_kv_heads, self.head_dim)
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"k/v must be {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
-        k = k.to(self.device, self.dtype)
-        v = v.to(self.device, self.dtype)
-        for i, layer in enumerate(lay):  # one vectorised copy per layer
-            self.k_cache[layer].index_copy_(0, idx, k[i])
-            self.v_cache[layer].index_copy_(0, idx, v[i])
+        for part, data, scale, x, xs in ((self.fmt.k, self.k_cache, self.k_scale, k, k_scale),
+                                         (self.fmt.v, self.v_cache, self.v_scale, v, v_scale)):
+            x = x.to(self.device)
+            if xs is not None or (part.scaled and x.dtype == part.storage):
+                if not part.scaled or xs is None or x.dtype != part.storage \
+                        or tuple(xs.shape) != want[:3]:
+                    raise ValueError(f"KV stored as {x.dtype} with scales "
+                                     f"{None if xs is None else tuple(xs.shape)} does not fit a "
+                                     f"{self.fmt.name} pool")
+                q, s = x, xs.to(self.device, torch.float32)
+            else:
+                q, s = part.quantize(x)
+            for i, layer in enumerate(lay):  # one vectorised copy per layer
+                data[layer].index_copy_(0, idx, q[i])
+                if s is not None:
+                    scale[layer].index_copy_(0, idx, s[i])
 
     def _layers(self, layers) -> list[int]:
         lay = list(range(self.num_layers)) if layers is None else [int(x) for x in layers]

@@ -14,7 +14,7 @@ and sits between it and the :class:`~lamina.memnode.server.NodeServer`:
 * :attr:`~NativePlane.lock` is the node's lock: Python holds it while it handles a message,
   the plane while it serves one.
 
-Used where it builds and applies: a CPU pool of a dtype the C++ kernel takes, the C++ attention
+Used where it builds and applies: a CPU pool (every KV format: the C++ kernel takes them all), the C++ attention
 kernel chosen (``attention`` ``auto`` or ``cpp``), the C++ ring fast path, and the ``plane``
 kernel choice ``auto`` (``native``: that or an error; ``python``: never). Rings whose writes must
 be published (RDMA) are served the Python way (:meth:`RingChannel.native_rx` says so).
@@ -71,8 +71,10 @@ class NativePlane:
         specs = [(s.layer, s.num_heads, s.num_kv_heads, s.head_dim, float(s.scale),
                   int(s.window or 0), float(s.softcap or 0.0)) for s in node.specs]
         pool = node.pool
-        self._plane = module.AttendPlane(pool.k_cache, pool.v_cache, specs,
-                                         kernels.paged_attention_fn, list(DEFAULT_LIMITS.as_tuple()),
+        k, v = pool.fmt.k.view(pool.k_cache), pool.fmt.v.view(pool.v_cache)
+        self._plane = module.AttendPlane(k, v, pool.k_scale, pool.v_scale, specs,
+                                         kernels.paged_attention_fn, kernels.kv_store_fn,
+                                         list(DEFAULT_LIMITS.as_tuple()),
                                          int(MsgKind.ATTEND), int(MsgKind.RESULT))
         self.lock = NativeLock(self._plane)
 
@@ -125,8 +127,6 @@ def unavailable(node: "MemoryNode") -> str | None:
     pool = node.pool
     if pool.device.type != "cpu":
         return f"the pool is on {pool.device}"
-    if pool.dtype not in cpp_ext.POOL_DTYPES:
-        return f"the C++ kernel does not take {pool.dtype} pools"
     if backend_for(pool.device) != "cpp":
         return f"attention runs on the {backend_for(pool.device)} kernels, not the C++ one"
     if shm_fast.load() is None:

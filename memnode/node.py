@@ -55,6 +55,7 @@ import torch
 
 from lamina.config import CacheConfig
 from lamina.kernels import dispatch
+from lamina.kernels.kv_format import kv_format
 from lamina.memnode.allocator import OutOfSlots, SlabAllocator
 from lamina.memnode.kv_pool import KVPool
 from lamina.memnode.plan import StepState, build_step
@@ -87,12 +88,15 @@ class MemoryNode:
     ``specs`` has one AttentionSpec per attention layer; ``AttendMsg.layer`` names
     ``spec.layer`` and pool layer ``i`` stores ``specs[i]``. All layers must share
     ``num_kv_heads`` and ``head_dim`` (one pool shape). Give either ``pool`` or
-    ``capacity_slots`` (then a pool of ``dtype`` on ``device`` is created).
+    ``capacity_slots`` (then a pool on ``device`` in KV format ``kv_dtype`` is created:
+    :mod:`lamina.kernels.kv_format`, ``auto`` being the model's ``dtype``). A format the
+    device's attention kernel cannot read is a ``ValueError`` here.
     """
 
     def __init__(self, specs: Sequence[AttentionSpec], capacity_slots: int | None = None, *,
                  pool: KVPool | None = None, slab_size: int = CacheConfig.slab_size,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, kv_dtype: str = "auto",
+                 device: torch.device | str = "cpu") -> None:
         self.specs = list(specs)
         if not self.specs:
             raise ValueError("a memory node needs at least one AttentionSpec")
@@ -105,9 +109,11 @@ class MemoryNode:
         if pool is None:
             if capacity_slots is None:
                 raise ValueError("give either pool or capacity_slots")
-            pool = KVPool(len(self.specs), hkv, d, capacity_slots, dtype, device)
+            pool = KVPool(len(self.specs), hkv, d, capacity_slots, kv_format(kv_dtype, dtype),
+                          device)
         elif (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (len(self.specs), hkv, d):
             raise ValueError("pool shape does not match the AttentionSpecs")
+        dispatch.check_format(pool.device, pool.fmt)
         self.pool = pool
         self.allocator = SlabAllocator(pool.capacity, slab_size)
         self._windows = {s.window for s in self.specs}
@@ -223,9 +229,12 @@ class MemoryNode:
         qo_indptr, kv_indptr = torch.from_numpy(view.qo_indptr), torch.from_numpy(idx.kv_indptr)
         if self._attention is None:  # this role's kernel choices hold for its lifetime
             self._attention = dispatch.resolve(self.pool.device)
+        k_scale, v_scale = self.pool.scales(li)
+        scales = {} if k_scale is None and v_scale is None else \
+            {"k_scale": k_scale, "v_scale": v_scale}  # 8-bit pools only: every kernel takes float
         o, lse = self._attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
                                  qo_indptr, kv_indptr, idx.kv_indices, view.q_positions,
-                                 idx.kv_start_pos, spec)
+                                 idx.kv_start_pos, spec, **scales)
         if b < R:
             step.progress[li] = b
         else:
@@ -299,15 +308,16 @@ class MemoryNode:
             self.allocator.free(sh.drop_back(end - start))
 
     def export(self, req_id: int, start: int, end: int) -> KVChunk:
-        """Copy the request's K/V of positions ``[start, end)``, all layers: ``k/v[L, n, Hkv, D]``."""
+        """Copy the request's K/V of positions ``[start, end)``, all layers: ``k/v[L, n, Hkv, D]``
+        as the pool stores them, with their scales for an 8-bit format."""
         sh = self._shards.get(req_id)
         if sh is None:
             raise UnknownRequest(f"request {req_id} is not held by this node")
         if not sh.start <= start <= end <= sh.written_end:
             raise ValueError(f"request {req_id}: [{start}, {end}) is not inside the written part "
                              f"[{sh.start}, {sh.written_end}) of its shard")
-        k, v = self.pool.gather(sh.slots_of(start, end))
-        return KVChunk(req_id=req_id, start_pos=start, k=k, v=v)
+        k, v, k_scale, v_scale = self.pool.gather(sh.slots_of(start, end))
+        return KVChunk(req_id, start, k, v, k_scale, v_scale)
 
     def import_kv(self, chunk: KVChunk) -> None:
         """Store ``chunk`` as a new shard, or extend the request's shard at its back or front.
@@ -331,10 +341,13 @@ class MemoryNode:
             if start != sh.end and end != sh.start:
                 raise ValueError(f"request {chunk.req_id}: chunk [{start}, {end}) is not adjacent "
                                  f"to its shard [{sh.start}, {sh.end})")
-        k = chunk.k.to(self.pool.device, self.pool.dtype)
-        v = chunk.v.to(self.pool.device, self.pool.dtype)
         slots = self.allocator.alloc(n)
-        self.pool.scatter(slots, k, v)
+        try:
+            self.pool.scatter(slots, chunk.k, chunk.v, k_scale=chunk.k_scale,
+                              v_scale=chunk.v_scale)
+        except ValueError:
+            self.allocator.free(slots)
+            raise
         if sh is None:
             self._shards[chunk.req_id] = Shard(start, slots)
         elif start == sh.end:

@@ -188,7 +188,7 @@ class NodeServer:
 class NodeConfig:
     """What a memory-node process needs besides its channel (plain data, sent at spawn):
     ``specs`` (:class:`AttentionSpec` fields), ``capacity`` slots in slabs of ``slab_size``,
-    ``dtype`` (a torch dtype name) on ``device``; ``cores`` the CPU cores the node owns (it
+    ``dtype`` (a torch dtype name) on ``device``, its pool in KV format ``kv_dtype``; ``cores`` the CPU cores the node owns (it
     pins itself and runs one thread per core; None: ``num_threads`` threads, unpinned);
     ``spin_us``: how long its receivers on replica (data) links poll before sleeping (``inf``:
     it owns its cores alone and never sleeps; the control link always may); ``kernels``: the :class:`KernelConfig` fields it computes with
@@ -203,21 +203,24 @@ class NodeConfig:
     cores: list[int] | None = None
     spin_us: float = SPIN_US
     kernels: dict | None = None
+    kv_dtype: str = "auto"
 
 
 def node_config(specs: list[AttentionSpec], capacity: int, device: str, dtype: torch.dtype,
                 slab_size: int, num_threads: int = 1, cores: list[int] | None = None,
-                spin_us: float = SPIN_US, kernels: KernelConfig | None = None) -> NodeConfig:
+                spin_us: float = SPIN_US, kernels: KernelConfig | None = None,
+                kv_dtype: str = "auto") -> NodeConfig:
     """A :class:`NodeConfig` from the engine's objects."""
     return NodeConfig([asdict(s) for s in specs], capacity, slab_size, dtype_name(dtype),
                       str(device), num_threads, cores, spin_us,
-                      asdict(kernels) if kernels is not None else None)
+                      asdict(kernels) if kernels is not None else None, kv_dtype)
 
 
 def build_node(config: NodeConfig) -> MemoryNode:
     """The MemoryNode ``config`` describes."""
     return MemoryNode([AttentionSpec(**s) for s in config.specs], config.capacity,
                       slab_size=config.slab_size, dtype=getattr(torch, config.dtype),
+                      kv_dtype=config.kv_dtype,
                       device=config.device)
 
 

@@ -10,7 +10,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
     const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
     const at::Tensor& q_positions, const at::Tensor& kv_start_pos, double scale, int64_t window,
-    double softcap);
+    double softcap, const c10::optional<at::Tensor>& k_scale,
+    const c10::optional<at::Tensor>& v_scale);
+void kv_store(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& slots,
+              const at::Tensor& x);
 std::string simd_features();
 double read_kv_rows(const at::Tensor& k_pool, const at::Tensor& v_pool,
                     const at::Tensor& kv_indices);
@@ -41,12 +44,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lamina C++ CPU kernels (see lamina/kernels/cpp_ext.py)";
   m.def("paged_attention", &paged_attention,
         "paged_attention(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, "
-        "kv_start_pos, scale, window, softcap) -> (o, lse); window <= 0 / softcap <= 0: none",
-        nogil);
+        "kv_start_pos, scale, window, softcap, k_scale=None, v_scale=None) -> (o, lse); "
+        "window <= 0 / softcap <= 0: none; k_scale / v_scale[S, Hkv] float32 for 8-bit pools",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("qo_indptr"),
+        py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("q_positions"),
+        py::arg("kv_start_pos"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), nogil);
+  m.def("kv_store", &kv_store,
+        "kv_store(data[S, Hkv, D] int8|float8_e4m3fn, scale[S, Hkv] float32, slots[n], "
+        "x[n, Hkv, D]): x quantised into the slots (lamina.kernels.kv_format's bytes)", nogil);
   m.def("simd_features", &simd_features, "SIMD paths compiled in");
   // for native callers in this process (the memory node's ATTEND loop): the kernel itself
   m.attr("paged_attention_fn") = py::capsule(reinterpret_cast<void*>(&paged_attention),
-                                             "lamina.paged_attention");
+                                             "lamina.paged_attention/2");
+  m.attr("kv_store_fn") = py::capsule(reinterpret_cast<void*>(&kv_store), "lamina.kv_store");
   m.def("read_kv_rows", &read_kv_rows,
         "read_kv_rows(k_pool, v_pool, kv_indices) -> a fold of the rows: the KV read alone "
         "(the kernel bench's ceiling)", nogil);

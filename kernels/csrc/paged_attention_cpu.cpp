@@ -1,7 +1,10 @@
 // Paged attention on CPU (lamina issue 19): the C++ kernel behind lamina.kernels.cpp_ext.
 //
 // Contract: lamina/kernels/reference.py (paged_attention_ref). q[T,H,D] (float32, bfloat16 or
-// float16), k_pool/v_pool[S,Hkv,D] (float32 or bfloat16, last dim contiguous), CSR
+// float16), k_pool/v_pool[S,Hkv,D] (last dim contiguous) in one of lamina's KV formats
+// (lamina/kernels/kv_format.py): (K, V) float32, bfloat16, int8, float8_e4m3fn, or bfloat16 K with
+// int8 V; an 8-bit pool comes with k_scale / v_scale[S,Hkv] float32 (value = element * scale),
+// which the kernel applies to the scores (K) and the softmax weights (V), never per element. CSR
 // qo_indptr[R+1] / kv_indptr[R+1] / kv_indices[N] (int32 or int64), q_positions[T],
 // kv_start_pos[R]. Returns o[T,H,D] in q's dtype and lse[T,H] float32 (natural log); a query
 // that sees no key gets o = 0 and lse = -inf. A query at position p sees the request's keys at
@@ -49,6 +52,22 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+
+// 8-bit pool elements carry a float32 scale per token and KV head (lamina/kernels/kv_format.py).
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// s[m * kBlock + j] *= scale[j][head] for the m < M rows of one KV head and the block's nb keys
+// (scale[j]: key j's row of [Hkv] scales): a scaled key's score is q . k_raw * scale, a scaled
+// value's weight p * scale.
+inline void scale_block(float* s, int M, int nb, const float* const* scale, int64_t head) {
+  float f[kBlock];
+  for (int j = 0; j < nb; ++j) f[j] = scale[j][head];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < nb; ++j) s[m * kBlock + j] *= f[j];
+}
 
 #if LAMINA_SIMD
 using lamina_simd::Vec;
@@ -396,6 +415,8 @@ struct Args {
   int64_t T, H, Hkv, G, D;
   const void* k;  // pool bases
   const void* v;
+  const float* ksc;  // scale bases [S, Hkv] of 8-bit pools (else nullptr)
+  const float* vsc;
   int64_t ks0, ks1, vs0, vs1;  // strides in elements
   int64_t S;
   const int64_t* qo;
@@ -408,6 +429,21 @@ struct Args {
   int64_t window;  // 0: none
   int64_t rows_per_tile, heads_per_item;
 };
+
+// Token slot's row of [Hkv] scales; its cache line is prefetched unless it is `last`'s (a slab's
+// consecutive slots share lines). rows() runs a block ahead, so the scales are in cache when the
+// block's scores and weights take them (measured: without it, scale misses took ~1/4 of an int8
+// call).
+inline const float* scale_row(const float* base, int64_t slot, int64_t Hkv, const char*& last) {
+  const float* row = base + slot * Hkv;
+  const char* line = reinterpret_cast<const char*>(
+      reinterpret_cast<uintptr_t>(row) & ~static_cast<uintptr_t>(63));
+  if (line != last) {
+    prefetch_line(line);
+    last = line;
+  }
+  return row;
+}
 
 // Visible key range [lo, hi) (indices into the request's keys) of a query at position p.
 inline void visible_range(const Args& a, int64_t r, int64_t p, int64_t* lo, int64_t* hi) {
@@ -475,12 +511,12 @@ inline void softmax_update(const Args& a, Scratch& sc, int m, int64_t j, int nb,
 
 // Walks keys [it.j0, it.j1) for the item's M query vectors; leaves (o unnormalised, running
 // max, running sum) in sc. Returns false when a slot lies outside the pool.
-template <class Kernel, typename KT, typename IT>
+template <class Kernel, typename KT, typename VT, typename IT>
 bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
   const int64_t D = a.D, per_head = (it.t1 - it.t0) * a.G;
   const IT* idx = static_cast<const IT*>(a.idx) + a.kvp[it.r];
   const KT* kb = static_cast<const KT*>(a.k);
-  const KT* vb = static_cast<const KT*>(a.v);
+  const VT* vb = static_cast<const VT*>(a.v);
   std::fill(sc.o.begin(), sc.o.begin() + M * D, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + M, kNegInf);
   std::fill(sc.l.begin(), sc.l.begin() + M, 0.f);
@@ -490,18 +526,24 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
     all_hi = std::min(all_hi, sc.hi[m]);
   }
   const KT* krow[2][kBlock];  // token bases of this block and the next
-  const KT* vrow[2][kBlock];
+  const VT* vrow[2][kBlock];
+  const float* kscl[2][kBlock];  // the block's rows of scales (8-bit pools)
+  const float* vscl[2][kBlock];
+  const char* kline = nullptr;  // the scale line last prefetched
+  const char* vline = nullptr;
   auto rows = [&](int64_t j, int nb, int buf) -> bool {
     for (int i = 0; i < nb; ++i) {
       const int64_t slot = static_cast<int64_t>(idx[j + i]);
       if (slot < 0 || slot >= a.S) return false;
       krow[buf][i] = kb + slot * a.ks0;
       vrow[buf][i] = vb + slot * a.vs0;
+      if constexpr (kScaled<KT>) kscl[buf][i] = scale_row(a.ksc, slot, a.Hkv, kline);
+      if constexpr (kScaled<VT>) vscl[buf][i] = scale_row(a.vsc, slot, a.Hkv, vline);
     }
     return true;
   };
   const std::vector<int64_t> kl = row_lines(it.h0, it.nh, a.ks1, D, sizeof(KT));
-  const std::vector<int64_t> vl = row_lines(it.h0, it.nh, a.vs1, D, sizeof(KT));
+  const std::vector<int64_t> vl = row_lines(it.h0, it.nh, a.vs1, D, sizeof(VT));
   Prefetcher pf(kl.data(), static_cast<int>(kl.size()), vl.data(), static_cast<int>(vl.size()));
   int buf = 0;
   if (it.j1 > it.j0) {
@@ -528,11 +570,15 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
       const int64_t m0 = h * per_head;
       scores_all<Kernel>(sc.q.data() + m0 * D, mh, D, krow[buf], (it.h0 + h) * a.ks1, nb,
                          sc.s.data() + m0 * kBlock, pf.take());
+      if constexpr (kScaled<KT>)
+        scale_block(sc.s.data() + m0 * kBlock, mh, nb, kscl[buf], it.h0 + h);
     }
     for (int m = 0; m < M; ++m)
       softmax_update(a, sc, m, j, nb, masked, sc.s.data() + m * kBlock, sc.p.data() + m * kBlock);
     for (int64_t h = 0; h < it.nh; ++h) {
       const int64_t m0 = h * per_head;
+      if constexpr (kScaled<VT>)  // after the softmax summed p: only o takes the scales
+        scale_block(sc.p.data() + m0 * kBlock, mh, nb, vscl[buf], it.h0 + h);
       accumulate_all<Kernel>(sc.o.data() + m0 * D, mh, D, vrow[buf], (it.h0 + h) * a.vs1, nb,
                              sc.p.data() + m0 * kBlock, pf.take());
     }
@@ -614,7 +660,7 @@ std::vector<Item> plan(const Args& a, int64_t R, int threads, int64_t* parts) {
   return items;
 }
 
-template <class Kernel, typename KT, typename IT, typename QT>
+template <class Kernel, typename KT, typename VT, typename IT, typename QT>
 void run(const Args& a, int64_t R, QT* out, float* lse) {
   const int threads = std::max(1, at::get_num_threads());
   int64_t nparts = 0;
@@ -632,7 +678,7 @@ void run(const Args& a, int64_t R, QT* out, float* lse) {
       const Item& it = items[i];
       const int M = static_cast<int>((it.t1 - it.t0) * a.G * it.nh);
       load_queries<QT>(a, it, sc);
-      if (!attend_item<Kernel, KT, IT>(a, it, sc, M)) {
+      if (!attend_item<Kernel, KT, VT, IT>(a, it, sc, M)) {
         bad = true;
         break;
       }
@@ -684,32 +730,68 @@ void run(const Args& a, int64_t R, QT* out, float* lse) {
   });
 }
 
-template <typename KT, typename IT, typename QT>
+template <typename KT, typename VT, typename IT, typename QT>
 void run_dispatch_simd(const Args& a, int64_t R, QT* out, float* lse) {
 #if LAMINA_SIMD
-  if (a.D == 64) return run<Simd<64 / Vec::W>, KT, IT, QT>(a, R, out, lse);
-  if (a.D == 128) return run<Simd<128 / Vec::W>, KT, IT, QT>(a, R, out, lse);
-  if (a.D % Vec::W == 0) return run<Simd<0>, KT, IT, QT>(a, R, out, lse);
+  if (a.D == 64) return run<Simd<64 / Vec::W>, KT, VT, IT, QT>(a, R, out, lse);
+  if (a.D == 128) return run<Simd<128 / Vec::W>, KT, VT, IT, QT>(a, R, out, lse);
+  if (a.D % Vec::W == 0) return run<Simd<0>, KT, VT, IT, QT>(a, R, out, lse);
 #endif
-  run<Generic, KT, IT, QT>(a, R, out, lse);
+  run<Generic, KT, VT, IT, QT>(a, R, out, lse);
 }
 
-template <typename KT, typename IT>
+template <typename KT, typename VT, typename IT>
 void run_dispatch_q(const Args& a, int64_t R, const at::Tensor& o, float* lse) {
   switch (o.scalar_type()) {
-    case at::kFloat: return run_dispatch_simd<KT, IT>(a, R, o.data_ptr<float>(), lse);
+    case at::kFloat: return run_dispatch_simd<KT, VT, IT>(a, R, o.data_ptr<float>(), lse);
     case at::kBFloat16:
-      return run_dispatch_simd<KT, IT>(a, R, o.data_ptr<c10::BFloat16>(), lse);
-    case at::kHalf: return run_dispatch_simd<KT, IT>(a, R, o.data_ptr<c10::Half>(), lse);
+      return run_dispatch_simd<KT, VT, IT>(a, R, o.data_ptr<c10::BFloat16>(), lse);
+    case at::kHalf: return run_dispatch_simd<KT, VT, IT>(a, R, o.data_ptr<c10::Half>(), lse);
     default: TORCH_CHECK(false, "paged_attention: q must be float32, bfloat16 or float16");
   }
 }
 
-template <typename KT>
+template <typename KT, typename VT>
 void run_dispatch_idx(const Args& a, int64_t R, at::ScalarType it, const at::Tensor& o,
                       float* lse) {
-  if (it == at::kInt) return run_dispatch_q<KT, int32_t>(a, R, o, lse);
-  run_dispatch_q<KT, int64_t>(a, R, o, lse);
+  if (it == at::kInt) return run_dispatch_q<KT, VT, int32_t>(a, R, o, lse);
+  run_dispatch_q<KT, VT, int64_t>(a, R, o, lse);
+}
+
+// The (K, V) pool dtypes of lamina's KV formats: float32, bfloat16, int8, fp8_e4m3 and k16v8.
+void run_dispatch_pools(const Args& a, int64_t R, at::ScalarType kt, at::ScalarType vt,
+                        at::ScalarType it, const at::Tensor& o, float* lse) {
+  using F8 = c10::Float8_e4m3fn;
+  if (kt == at::kFloat && vt == at::kFloat) return run_dispatch_idx<float, float>(a, R, it, o, lse);
+  if (kt == at::kBFloat16 && vt == at::kBFloat16)
+    return run_dispatch_idx<c10::BFloat16, c10::BFloat16>(a, R, it, o, lse);
+  if (kt == at::kChar && vt == at::kChar) return run_dispatch_idx<int8_t, int8_t>(a, R, it, o, lse);
+  if (kt == at::kFloat8_e4m3fn && vt == at::kFloat8_e4m3fn)
+    return run_dispatch_idx<F8, F8>(a, R, it, o, lse);
+  if (kt == at::kBFloat16 && vt == at::kChar)
+    return run_dispatch_idx<c10::BFloat16, int8_t>(a, R, it, o, lse);
+  TORCH_CHECK(false, "paged_attention (C++): pools (K, V) must be (float32, float32), (bfloat16, "
+              "bfloat16), (int8, int8), (float8_e4m3fn, float8_e4m3fn) or (bfloat16, int8), got (",
+              kt, ", ", vt, ")");
+}
+
+bool scaled_type(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+
+// The scales of an 8-bit pool: float32 [S, Hkv], contiguous; nullptr for a float pool.
+const float* scale_base(const at::Tensor& pool, const c10::optional<at::Tensor>& scale,
+                        const char* name) {
+  if (!scaled_type(pool.scalar_type())) {
+    TORCH_CHECK(!scale.has_value() || !scale->defined(), "paged_attention: ", name,
+                " given for a ", pool.scalar_type(), " pool");
+    return nullptr;
+  }
+  TORCH_CHECK(scale.has_value() && scale->defined(), "paged_attention: an ",
+              pool.scalar_type(), " pool needs ", name);
+  const at::Tensor& s = *scale;
+  TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.dim() == 2 &&
+                  s.size(0) == pool.size(0) && s.size(1) == pool.size(1) && s.is_contiguous(),
+              "paged_attention: ", name, " must be contiguous float32 [S, Hkv]");
+  return s.data_ptr<float>();
 }
 
 at::Tensor as_long(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
@@ -720,13 +802,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool,
     const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices_in,
     const at::Tensor& q_positions, const at::Tensor& kv_start_pos, double scale, int64_t window,
-    double softcap) {
+    double softcap, const c10::optional<at::Tensor>& k_scale,
+    const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q_in.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
               "paged_attention (C++): CPU tensors only");
   TORCH_CHECK(q_in.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
               "paged_attention: q[T,H,D], k_pool/v_pool[S,Hkv,D]");
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
-              "paged_attention: k_pool and v_pool differ in shape or dtype");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "paged_attention: k_pool and v_pool differ in shape");
   TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
               "paged_attention: pools need a contiguous last dimension");
   const at::Tensor q = q_in.contiguous();
@@ -759,6 +841,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   a.q = q.data_ptr();
   a.T = T, a.H = H, a.Hkv = Hkv, a.G = H / Hkv, a.D = D, a.S = S;
   a.k = k_pool.data_ptr(), a.v = v_pool.data_ptr();
+  a.ksc = scale_base(k_pool, k_scale, "k_scale");
+  a.vsc = scale_base(v_pool, v_scale, "v_scale");
   a.ks0 = k_pool.stride(0), a.ks1 = k_pool.stride(1);
   a.vs0 = v_pool.stride(0), a.vs1 = v_pool.stride(1);
   a.qo = qo_p, a.kvp = kv_p, a.idx = idx.data_ptr();
@@ -770,13 +854,54 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   // An item reads whole token rows (all KV heads: contiguous bytes, which the hardware
   // prefetchers stream well) up to kRowBytes per pool; wider rows are cut by heads.
   a.heads_per_item = std::clamp<int64_t>(kRowBytes / (D * k_pool.element_size()), 1, Hkv);
-  float* lse_p = lse.data_ptr<float>();
-  switch (k_pool.scalar_type()) {
-    case at::kFloat: run_dispatch_idx<float>(a, R, idx.scalar_type(), o, lse_p); break;
-    case at::kBFloat16: run_dispatch_idx<c10::BFloat16>(a, R, idx.scalar_type(), o, lse_p); break;
-    default: TORCH_CHECK(false, "paged_attention (C++): pools must be float32 or bfloat16");
-  }
+  run_dispatch_pools(a, R, k_pool.scalar_type(), v_pool.scalar_type(), idx.scalar_type(), o,
+                     lse.data_ptr<float>());
   return {o, lse};
+}
+
+// Quantised append (oracle: KVPart.quantize in lamina/kernels/kv_format.py, same bytes): each
+// row x[i, h, :] goes to data[slots[i], h, :] as int8 or float8 e4m3 with
+// scale[slots[i], h] = amax / qmax; float32 arithmetic in the oracle's order.
+void kv_store(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& slots,
+              const at::Tensor& x_in) {
+  const bool fp8 = data.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || data.scalar_type() == at::kChar, "kv_store: an int8 or float8_e4m3fn pool");
+  TORCH_CHECK(data.device().is_cpu() && data.dim() == 3 && data.is_contiguous(),
+              "kv_store: a contiguous CPU pool layer [S, Hkv, D]");
+  const int64_t S = data.size(0), Hkv = data.size(1), D = data.size(2);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == S && scale.size(1) == Hkv,
+              "kv_store: scale must be contiguous float32 [S, Hkv]");
+  const at::Tensor idx = as_long(slots);
+  const int64_t n = idx.numel();
+  TORCH_CHECK(x_in.dim() == 3 && x_in.size(0) == n && x_in.size(1) == Hkv && x_in.size(2) == D,
+              "kv_store: x must be [n, Hkv, D] for n slots");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < S, "kv_store: slot outside the pool");
+  const float qmax = fp8 ? 448.f : 127.f;
+  const float* xp = x.data_ptr<float>();
+  float* sp = scale.data_ptr<float>();
+  auto* i8 = static_cast<int8_t*>(data.data_ptr());
+  auto* f8 = static_cast<c10::Float8_e4m3fn*>(data.data_ptr());
+  at::parallel_for(0, n * Hkv, 64, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t i = r / Hkv, h = r % Hkv, row = (ip[i] * Hkv + h);
+      const float* src = xp + r * D;
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(src[d]));
+      const float inv = amax > 0.f ? qmax / amax : 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float y = src[d] * inv;
+        if (fp8)
+          f8[row * D + d] = c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, y)));
+        else
+          i8[row * D + d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(y))));
+      }
+      sp[row] = amax / qmax;
+    }
+  });
 }
 
 // The read ceiling bench/kernels.py compares the kernel with: reads (and folds by max, so

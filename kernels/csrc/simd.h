@@ -7,10 +7,17 @@
 //                  vectorises for whatever -march allows
 //
 // The kernels are written once against Vec (W lanes, kRegs registers), so each instruction set
-// runs the same blocking, sized to its registers.
+// runs the same blocking, sized to its registers. Vec::load widens float32, bfloat16, int8 and
+// float8 e4m3 (fn) elements to float32 exactly. fp8_as_half: an e4m3 byte S.EEEE.MMM placed as
+// the float16 S.0EEEE.MMM0000000 is the same number times 2^-8 (float16's exponent bias is 15,
+// e4m3's 7; subnormals line up too), which the F16C conversion widens and one multiply rescales.
+// (e4m3fn's NaN, 0x7F, would read as 480: pools never hold it, quantisation clamps to 448.)
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <cstdint>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LAMINA_AVX512 1
@@ -40,6 +47,17 @@ struct Vec {
   static R load(const c10::BFloat16* p) {  // exact: bfloat16 is the top half of float32
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static R load(const int8_t* p) {  // exact
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static R load(const c10::Float8_e4m3fn* p) {  // exact: see fp8_as_half
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
   }
   static void store(float* p, R a) { _mm512_storeu_ps(p, a); }
   static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
@@ -82,6 +100,22 @@ struct Vec {
   static R load(const c10::BFloat16* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static R load(const int8_t* p) {  // exact
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static R load(const c10::Float8_e4m3fn* p) {  // exact: see fp8_as_half
+#if defined(__F16C__)
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+#else
+    alignas(32) float f[8];
+    for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+    return _mm256_load_ps(f);
+#endif
   }
   static void store(float* p, R a) { _mm256_storeu_ps(p, a); }
   static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }

@@ -28,11 +28,18 @@ class Infeasible(ValueError):
     """A deployment cannot run the workload (weights or KV do not fit); message says why."""
 
 
+# Bytes of one K and one V element in each KV format (lamina.kernels.kv_format, which the cost
+# model does not import: it needs no torch); an 8-bit part adds a float32 scale per token and head.
+KV_ELEMENT_BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "int8": (1, 1), "fp8_e4m3": (1, 1),
+                    "k16v8": (2, 1)}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a dense decoder-only transformer with a gated MLP (LLaMA family).
 
-    ``dtype_bytes`` (e) is the size of weights, KV and transferred activations."""
+    ``dtype_bytes`` (e) is the size of weights, transferred activations and, with ``kv_dtype``
+    ``auto``, of KV; another ``kv_dtype`` (``KV_ELEMENT_BYTES``) prices KV at its own bytes."""
 
     name: str
     layers: int
@@ -44,12 +51,16 @@ class ModelSpec:
     vocab: int
     dtype_bytes: int = 2
     tie_embeddings: bool = False
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "dtype_bytes"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"model {self.name!r}: {k} must be a positive int, got {v!r}")
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_ELEMENT_BYTES:
+            raise ValueError(f"model {self.name!r}: kv_dtype {self.kv_dtype!r}: expected auto or "
+                             f"one of {', '.join(KV_ELEMENT_BYTES)}")
         if self.heads % self.kv_heads:
             raise ValueError(f"model {self.name!r}: heads={self.heads} not a multiple of kv_heads={self.kv_heads}")
 
@@ -80,8 +91,13 @@ class ModelSpec:
 
     @cached_property
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes per token over all layers: 2 (k and v) * L * Hkv * D * e."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """KV cache bytes per token over all layers: 2 (k and v) * L * Hkv * D * e, or in
+        ``kv_dtype``'s bytes (an 8-bit part's scales included)."""
+        if self.kv_dtype == "auto":
+            return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        per_head = sum(b * self.head_dim + (4 if b == 1 else 0)
+                       for b in KV_ELEMENT_BYTES[self.kv_dtype])
+        return self.layers * self.kv_heads * per_head
 
     @cached_property
     def transfer_bytes_per_token(self) -> int:

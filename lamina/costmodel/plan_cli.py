@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from lamina.costmodel.constraints import Constraints, parse_bandwidth, parse_duration, parse_usd
 from lamina.costmodel.hardware import CatalogError, load_catalog
-from lamina.costmodel.model import DEFAULT, ModelSpec, load_model_spec
+from lamina.costmodel.model import DEFAULT, KV_ELEMENT_BYTES, ModelSpec, load_model_spec
 from lamina.costmodel.search import Candidate, Outcome, binding_message, search
 
 _GGUF_KEYS = {"layers": "block_count", "hidden": "embedding_length", "heads": "attention.head_count",
@@ -70,6 +71,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", required=True,
                     help="HF folder or config.json, .gguf, or alias (smollm2, llama-13b, ...)")
     ap.add_argument("--context", required=True, type=int, help="KV tokens per request")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_ELEMENT_BYTES),
+                    help="KV format on every device: auto (the model's dtype), or 8 bits with a "
+                         "scale per token and head (int8, fp8_e4m3), or bfloat16 keys with int8 "
+                         "values (k16v8)")
     ap.add_argument("--batch", type=int, help="requests decoded per step (default: best)")
     ap.add_argument("--tbt-slo", type=parse_duration, help="time between tokens, e.g. 50ms")
     ap.add_argument("--ttft-slo", type=parse_duration, help="time to first token, e.g. 2s")
@@ -132,7 +137,7 @@ def format_table(model: ModelSpec, context: int, rows: list[Candidate], baseline
 def run(args: argparse.Namespace) -> int:
     """Execute a parsed ``lamina plan`` command. Returns the exit status."""
     try:
-        model = resolve_model(args.model)
+        model = replace(resolve_model(args.model), kv_dtype=args.kv_dtype)
         catalog = load_catalog(args.catalog)
         if args.context < 1 or args.top < 1:
             raise ValueError("--context and --top must be >= 1")

@@ -34,6 +34,7 @@ from lamina.device import Device, exclusive, own_cores, parse
 from lamina.engine.engine import Engine
 from lamina.instance.inproc import InProcessReplicas
 from lamina.instance.launcher import Launcher
+from lamina.kernels.kv_format import kv_format
 from lamina.memnode import KVPool, MemoryNode
 from lamina.models import default_dtype, eos_token_ids, load_model
 from lamina.split_cache import cached_layout, cached_record, load_split, store_record
@@ -121,12 +122,13 @@ def _load_model_info(model: str, dtype: torch.dtype | None, device: torch.device
 
 
 def node_capacity(specs: list[AttentionSpec], dtype: torch.dtype, cache: CacheConfig) -> int:
-    """KV slots per memory node: ``kv_cache_tokens``, else what ``kv_cache_gb`` holds."""
+    """KV slots per memory node: ``kv_cache_tokens``, else what ``kv_cache_gb`` holds in the
+    KV format ``cache.kv_dtype`` (of a ``dtype`` model)."""
     if cache.kv_cache_tokens is not None:
         return int(cache.kv_cache_tokens)
     s = specs[0]
     cap = KVPool.capacity_for_bytes(int(cache.kv_cache_gb * (1 << 30)), len(specs),
-                                    s.num_kv_heads, s.head_dim, dtype)
+                                    s.num_kv_heads, s.head_dim, kv_format(cache.kv_dtype, dtype))
     if cap < 1:
         raise ValueError(f"kv_cache_gb={cache.kv_cache_gb} holds no token of this model")
     return cap
@@ -203,7 +205,8 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         with stage("memory nodes"):
             nodes: list[NodeClient] = [
                 InProcessNode(MemoryNode(info.specs, cap, slab_size=config.cache.slab_size,
-                                         dtype=info.dtype, device=d.torch),
+                                         dtype=info.dtype, kv_dtype=config.cache.kv_dtype,
+                                         device=d.torch),
                               name=f"memory node {k}")
                 for k, d in enumerate(node_devs)]
         sampler = Sampler()
@@ -227,7 +230,8 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
 
         def spawn_nodes(first: int = 0, count: int = icfg.memory):  # all, or one to restart
             return spawn_memory_nodes(launcher, info.specs, node_devs[first:first + count], cap,
-                                      dtype=info.dtype, slab_size=config.cache.slab_size,
+                                      dtype=info.dtype, kv_dtype=config.cache.kv_dtype,
+                                      slab_size=config.cache.slab_size,
                                       transport=icfg.transport, num_threads=icfg.num_threads,
                                       spin_us=node_spin[first:first + count],
                                       kernels=icfg.kernels, first=first)

@@ -107,7 +107,8 @@ def stop_roles(handles: list[RoleHandle], channels: list) -> None:
 
 
 def spawn_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: list[Device],
-                       capacity: int, *, dtype: torch.dtype, slab_size: int, transport: str,
+                       capacity: int, *, dtype: torch.dtype, kv_dtype: str = "auto",
+                       slab_size: int, transport: str,
                        num_threads: int = 1, spin_us: list[float] | None = None,
                        kernels: KernelConfig | None = None, first: int = 0) -> Starting:
     """Spawn one memory-node server of ``capacity`` slots per device (each pins itself to its
@@ -115,7 +116,7 @@ def spawn_memory_nodes(launcher: Launcher, specs: list[AttentionSpec], devices: 
     :func:`node_clients` of what :meth:`Starting.ready` returns are the engine's clients."""
     spin_us = spin_us or [SPIN_US] * len(devices)
     configs = [asdict(node_config(specs, capacity, d.torch, dtype, slab_size, num_threads,
-                                  list(d.cores) if d.cores else None, sp, kernels))
+                                  list(d.cores) if d.cores else None, sp, kernels, kv_dtype))
                for d, sp in zip(devices, spin_us)]
     return spawn_roles(launcher, serve_node, configs, role="memory", device=devices[0].torch,
                        transport=transport, first=first)

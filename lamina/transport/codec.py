@@ -116,8 +116,11 @@ def to_message(obj: Any, kind: MsgKind | None = None) -> Message:
         kind = MsgKind.KV if kind is None else kind
         if kind not in (MsgKind.KV, MsgKind.IMPORT):
             raise ValueError(f"a KVChunk travels as KV or IMPORT, not {kind!r}")
-        return Message(kind, meta={"req_id": obj.req_id, "start_pos": obj.start_pos},
-                       tensors=[obj.k, obj.v])
+        scales = [t is not None for t in (obj.k_scale, obj.v_scale)]
+        return Message(kind, meta={"req_id": obj.req_id, "start_pos": obj.start_pos,
+                                   "scales": scales},
+                       tensors=[obj.k, obj.v] + [t for t in (obj.k_scale, obj.v_scale)
+                                                 if t is not None])
     if isinstance(obj, NodeStats):
         stats: dict[str, Any] = {f: getattr(obj, f) for f in _STATS_FIELDS}
         stats["shards"] = [[r, s, n] for r, (s, n) in sorted(obj.shards.items())]
@@ -202,8 +205,14 @@ def from_message(msg: Message) -> Any:
     if kind == MsgKind.RESULT:
         return result_of(msg.step_id, msg.layer, msg.tensors)
     if kind in (MsgKind.KV, MsgKind.IMPORT):
-        k, v = _tensors(msg, 2)
-        return KVChunk(_int(meta, "req_id"), _int(meta, "start_pos"), k, v)
+        scales = meta.get("scales", [False, False])
+        if not (isinstance(scales, list) and len(scales) == 2
+                and all(isinstance(x, bool) for x in scales)):
+            raise WireError(f"a KV chunk's scales flags must be two booleans, got {scales!r}")
+        k, v, *rest = _tensors(msg, 2 + sum(scales))
+        k_scale = rest.pop(0) if scales[0] else None
+        v_scale = rest.pop(0) if scales[1] else None
+        return KVChunk(_int(meta, "req_id"), _int(meta, "start_pos"), k, v, k_scale, v_scale)
     if kind == MsgKind.STATS:
         if not meta:
             return None

@@ -45,7 +45,10 @@ using namespace lamina_ring;
 
 using AttentionFn = std::tuple<at::Tensor, at::Tensor> (*)(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, double);
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, double,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&);
+using StoreFn = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&);
 
 // serve() results
 constexpr int64_t kIdle = 0;     // nothing arrived within the spin (or the time budget passed)
@@ -95,19 +98,25 @@ const DType* float_dtype(int code) {
 
 class AttendPlane {
  public:
-  // k_cache / v_cache: the pool's [L, S, Hkv, D] CPU tensors; specs: per pool layer (layer,
-  // heads, kv_heads, dim, scale, window or 0, softcap or 0); kernel: the C++ kernel's capsule
-  // (lamina.kernels.cpp_ext paged_attention_fn); limits: the receive side's WireLimits tuple;
-  // attend / result: the wire codes of ATTEND and RESULT.
-  AttendPlane(at::Tensor k_cache, at::Tensor v_cache,
+  // k_cache / v_cache: the pool's [L, S, Hkv, D] CPU tensors in the kernel's dtypes (KVPool.k);
+  // k_scale / v_scale: an 8-bit part's [L, S, Hkv] float32 scales (else None); specs: per pool
+  // layer (layer, heads, kv_heads, dim, scale, window or 0, softcap or 0); kernel / store: the
+  // C++ kernels' capsules (lamina.kernels.cpp_ext paged_attention_fn, kv_store_fn); limits: the
+  // receive side's WireLimits tuple; attend / result: the wire codes of ATTEND and RESULT.
+  AttendPlane(at::Tensor k_cache, at::Tensor v_cache, c10::optional<at::Tensor> k_scale,
+              c10::optional<at::Tensor> v_scale,
               const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, double, int64_t,
                                            double>>& specs,
-              py::capsule kernel, const std::vector<int64_t>& limits, int64_t attend,
-              int64_t result)
-      : k_(std::move(k_cache)), v_(std::move(v_cache)), lim_(limits), attend_(attend),
-        result_(result) {
-    TORCH_CHECK(std::string(kernel.name()) == "lamina.paged_attention", "not the kernel capsule");
+              py::capsule kernel, py::capsule store, const std::vector<int64_t>& limits,
+              int64_t attend, int64_t result)
+      : k_(std::move(k_cache)), v_(std::move(v_cache)),
+        ks_(k_scale.value_or(at::Tensor())), vs_(v_scale.value_or(at::Tensor())), lim_(limits),
+        attend_(attend), result_(result) {
+    TORCH_CHECK(std::string(kernel.name()) == "lamina.paged_attention/2" &&
+                    std::string(store.name()) == "lamina.kv_store",
+                "not the kernels' capsules");
     kernel_ = reinterpret_cast<AttentionFn>(kernel.get_pointer());
+    store_ = reinterpret_cast<StoreFn>(store.get_pointer());
     TORCH_CHECK(k_.device().is_cpu() && k_.dim() == 4 && k_.sizes() == v_.sizes(),
                 "a CPU pool [L, S, Hkv, D]");
     for (const auto& s : specs) {
@@ -280,8 +289,13 @@ class AttendPlane {
     const KeyIndex& ki = key->second;
     at::Tensor o, lse;
     try {  // MemoryNode.attend: pool.store_kv, then paged_attention on the view of [a, b)
-      k_[li].index_copy_(0, slots, k.to(k_.scalar_type()));
-      v_[li].index_copy_(0, slots, v.to(v_.scalar_type()));
+      c10::optional<at::Tensor> ks, vs;  // this layer's scales (8-bit parts)
+      if (ks_.defined()) ks = ks_[li];
+      if (vs_.defined()) vs = vs_[li];
+      if (ks) store_(k_[li], *ks, slots, k);
+      else k_[li].index_copy_(0, slots, k.to(k_.scalar_type()));
+      if (vs) store_(v_[li], *vs, slots, v);
+      else v_[li].index_copy_(0, slots, v.to(v_.scalar_type()));
       at::Tensor q_indptr = step.q_indptr, kv_indptr = ki.indptr, kv_indices = ki.indices,
                  q_pos = step.q_positions, kv_start = ki.start_pos;
       if (!whole) {
@@ -293,7 +307,7 @@ class AttendPlane {
         kv_start = ki.start_pos.slice(0, a, b);
       }
       std::tie(o, lse) = kernel_(q, k_[li], v_[li], q_indptr, kv_indptr, kv_indices, q_pos,
-                                 kv_start, sp.scale, window, sp.softcap);
+                                 kv_start, sp.scale, window, sp.softcap, ks, vs);
     } catch (const std::exception&) {
       return false;  // Python attends again (the K/V written is harmless) and reports it
     }
@@ -369,10 +383,11 @@ class AttendPlane {
     if (out.ring.flag_after_fence(kReaderWaits)) ring_bell(out.bell);
   }
 
-  at::Tensor k_, v_;
+  at::Tensor k_, v_, ks_, vs_;  // ks_ / vs_ undefined for float parts
   Limits lim_;
   int64_t attend_, result_;
   AttentionFn kernel_ = nullptr;
+  StoreFn store_ = nullptr;
   std::vector<LayerSpec> specs_;
   std::unordered_map<int64_t, int64_t> layer_index_;  // spec.layer -> pool layer
   std::unordered_map<int64_t, Step> steps_;
@@ -389,10 +404,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lamina memory node's native ATTEND path (see lamina/memnode/native.py)";
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<AttendPlane>(m, "AttendPlane")
-      .def(py::init<at::Tensor, at::Tensor,
+      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, double,
                                                  int64_t, double>>&,
-                    py::capsule, const std::vector<int64_t>&, int64_t, int64_t>())
+                    py::capsule, py::capsule, const std::vector<int64_t>&, int64_t, int64_t>())
       .def("add_step", &AttendPlane::add_step)
       .def("drop_step", &AttendPlane::drop_step)
       .def("finished", &AttendPlane::finished)

@@ -165,3 +165,19 @@ def test_hf_config_dict_and_errors():
         ModelSpec.from_hf_config({**cfg, "num_local_experts": 8})
     with pytest.raises(ValueError, match="kv_heads"):
         ModelSpec("bad", 1, 8, 3, 2, 4, 8, 8)
+
+
+def test_kv_dtype_prices_a_token_at_the_pools_bytes():
+    """The cost model's table (torch-free) agrees with the pools' formats."""
+    from dataclasses import replace
+
+    from lamina.costmodel.model import KV_ELEMENT_BYTES, ModelSpec
+    from lamina.kernels.kv_format import kv_format
+    m = ModelSpec("m", layers=4, hidden=256, heads=8, kv_heads=2, head_dim=64, intermediate=512,
+                  vocab=100, dtype_bytes=4)
+    assert m.kv_bytes_per_token == 2 * 4 * 2 * 64 * 4
+    for name in KV_ELEMENT_BYTES:
+        assert replace(m, kv_dtype=name).kv_bytes_per_token == \
+            4 * 2 * kv_format(name).bytes_per_token_head(64)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        replace(m, kv_dtype="int4")

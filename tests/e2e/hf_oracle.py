@@ -1,16 +1,29 @@
 """Greedy generation with Hugging Face transformers, one prompt at a time (the oracle)."""
 from __future__ import annotations
 
+import sys
+import warnings
+from pathlib import Path
+
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from kv_accuracy import fake_quant_cache  # noqa: E402  (the bench's oracle cache)
 
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int,
+              kv_dtype: str | None = None) -> list[list[int]]:
+    """Greedy outputs of ``prompts``; ``kv_dtype``: over a KV cache stored in that lamina
+    format (``bench/kv_accuracy.py``'s ``fake_quant_cache``)."""
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
-        with torch.no_grad():
+        kw = {} if kv_dtype is None else {"past_key_values": fake_quant_cache(model, kv_dtype)}
+        with torch.no_grad(), warnings.catch_warnings():
+            # transformers 5.2x renames past_key_values (cache); older ones know only this name
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=0)
+                                 max_new_tokens=max_new_tokens, pad_token_id=0, **kw)
         outs.append(gen[0, len(p):].tolist())
     return outs
 

@@ -69,7 +69,7 @@ def test_bf16_inproc_dtypes_and_agreement(tiny):
     def check(llm):
         inst = llm.deployment.instances[0]
         pool = inst.nodes[0].node.pool
-        assert pool.dtype == torch.bfloat16 and pool.k_cache.dtype == torch.bfloat16
+        assert pool.fmt.name == "bfloat16" and pool.k_cache.dtype == torch.bfloat16
         weights = _tensors(inst.engine.worker.replicas[0].split)
         assert weights and all(t.dtype == torch.bfloat16 for t in weights), \
             {t.dtype for t in weights}

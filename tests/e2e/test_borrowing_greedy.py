@@ -83,18 +83,22 @@ def test_without_borrowing_the_long_request_fails_cleanly(tiny):
         assert reqs[1].error is None and len(reqs[1].output_ids) == 8
 
 
-def test_proactive_moves_keep_greedy_output(tiny):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "k16v8"])
+def test_proactive_moves_keep_greedy_output(tiny, kv_dtype):
     """The gManager's greedy placement moves long requests' oldest slabs to the idle instance
-    while they decode; outputs still match HF."""
+    while they decode; outputs still match HF (over the same stored KV for an 8-bit format:
+    a move carries the bytes and their scales, it does not quantise again)."""
     from lamina.deployment.borrowing import PerfModel
 
     folder, model = tiny
     # instance 0 gets long requests (a small batch that fills its pool), instance 1 idles
     perf = PerfModel([1, 8], [1e-3, 2e-3], [8, 64], [1e-5, 4e-5])
     prompts = [_prompt(26, s) for s in range(4)]
-    want = hf_greedy(model, prompts, GREEDY.max_tokens)
+    want = hf_greedy(model, prompts, GREEDY.max_tokens,
+                     None if kv_dtype == "auto" else kv_dtype)
     config = replace(deployment_config(str(folder), instances=2, memory=1, kv_cache_tokens=96,
-                                       slab_size=8, plan_every=2), beta_thres=4, util_thres=0.5)
+                                       slab_size=8, plan_every=2, kv_dtype=kv_dtype),
+                     beta_thres=4, util_thres=0.5)
     with start_deployment(config, perf=perf) as d:
         reqs = [d.instances[0].engine.add_request(p, GREEDY) for p in prompts]
         while d.has_work():

@@ -20,11 +20,14 @@ SETUPS = {
     "spans-two-nodes": dict(memory=2, placement="inproc", kv_cache_tokens=24),
 }
 SLOW = {"memory3-procs"}  # starts processes
+ARCH: dict[str, str] = {}  # tiny model folder -> its architecture
+HF_8BIT: dict = {}  # (folder, kv_dtype) -> HF's greedy outputs over that stored KV
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
 def tiny(request, tmp_path_factory):
     folder = tiny_folder(request.param, tmp_path_factory.mktemp(request.param))
+    ARCH[folder] = request.param
     model = tiny_model(request.param)  # the same seeded weights, as the oracle
     model.generation_config.eos_token_id = None
     return folder, hf_greedy(model, PROMPTS, MAX_NEW)
@@ -85,3 +88,23 @@ def test_cuda_graphs_keep_greedy_output_on_gpu(tiny, memory_device):
             replicas = llm.deployment.instances[0].engine.worker.replicas
             assert all((r.graphs is not None) == graphs for r in replicas)
             assert not graphs or all(r.graphs.replays > 0 for r in replicas)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "k16v8"])
+@pytest.mark.parametrize("placement", ["inproc", pytest.param("procs", marks=pytest.mark.slow)])
+def test_8bit_kv_greedy_matches_hf_over_the_same_stored_kv(tiny, kv_dtype, placement):
+    """Memory nodes holding 8-bit KV (two nodes, requests spanning both): greedy output equals
+    HF generate whose cache holds the same quantised values (hf_oracle.fake_quant_cache)."""
+    folder, _ = tiny
+    if (folder, kv_dtype) not in HF_8BIT:
+        model = tiny_model(ARCH[folder])
+        model.generation_config.eos_token_id = None
+        HF_8BIT[folder, kv_dtype] = hf_greedy(model, PROMPTS, MAX_NEW, kv_dtype)
+    want = HF_8BIT[folder, kv_dtype]
+    with LLM(str(folder), memory=2, placement=placement, kv_cache_tokens=24,
+             kv_dtype=kv_dtype) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        if placement == "inproc":
+            assert llm.deployment.instances[0].nodes[0].node.pool.fmt.name == kv_dtype

@@ -9,6 +9,7 @@ import torch
 
 from kernel_cases import assert_matches, make_spec, random_case
 from lamina.kernels import cpp_ext, paged_attention, paged_attention_ref
+from lamina.kernels.kv_format import kv_format
 
 pytestmark = pytest.mark.skipif(not cpp_ext.available(),
                                 reason=f"C++ kernel not built: {cpp_ext.build_error()}")
@@ -167,6 +168,20 @@ def test_narrower_simd_paths(flags, path):
                                      int(spec.window or 0), float(spec.softcap or 0.0))
         ref_o, ref_lse = paged_attention_ref(*case.args())
         assert_matches(o, lse, ref_o, ref_lse, dtype)
+    for seed, name in ((23, "int8"), (24, "fp8_e4m3"), (25, "k16v8")):  # 8-bit KV formats
+        case = random_case(seed, num_heads=9, num_kv_heads=3, head_dim=64, num_requests=(3, 8),
+                           max_q=12)
+        fmt = kv_format(name)
+        (kq, ks), (vq, vs) = fmt.k.quantize(case.k_pool), fmt.v.quantize(case.v_pool)
+        args = (case.q, fmt.k.view(kq), fmt.v.view(vq), *case.args()[3:8])
+        o, lse = ext.paged_attention(*args, float(case.spec.scale), 0, 0.0, ks, vs)
+        ref_o, ref_lse = paged_attention_ref(*args, case.spec, k_scale=ks, v_scale=vs)
+        assert_matches(o, lse, ref_o, ref_lse, torch.float32)
+        data, scale = torch.zeros_like(vq), torch.zeros_like(vs)
+        slots = torch.arange(vq.shape[0])
+        ext.kv_store(fmt.v.view(data), scale, slots, case.v_pool.nan_to_num())
+        want, want_scale = fmt.v.quantize(case.v_pool.nan_to_num())
+        assert torch.equal(data, want) and torch.equal(scale, want_scale)
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(7, 96, generator=g), torch.randn(70, 96, generator=g)
     y = ext.skinny_linear(x, ext.pack_linear_weight(w), 70, None)

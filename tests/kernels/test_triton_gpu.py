@@ -30,6 +30,23 @@ def test_triton_cuda_matches_reference(heads, mask, dtype, head_dim):
     assert_matches(o, lse, ref_o, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "k16v8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_cuda_reads_8bit_pools(name, dtype):
+    """KV formats on the GPU: the pool as stored with its scales, against the reference
+    (dequantise, then attend); the graphed entry point runs them eager."""
+    from lamina.kernels import paged_attention, paged_attention_ref
+    from lamina.kernels.kv_format import kv_format
+    fmt = kv_format(name)
+    case = random_case(17, num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype,
+                       num_requests=(1, 12), max_ctx=1500, max_q=40).to("cuda")
+    (kq, ks), (vq, vs) = fmt.k.quantize(case.k_pool), fmt.v.quantize(case.v_pool)
+    args = (case.q, fmt.k.view(kq), fmt.v.view(vq), *case.args()[3:])
+    ref_o, ref_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs)
+    o, lse = paged_attention(*args, k_scale=ks, v_scale=vs)
+    assert_matches(o, lse, ref_o, ref_lse, dtype)
+
+
 @pytest.mark.parametrize("kv_chunk", [64, 256, 100000])
 def test_triton_cuda_split_sizes_decode(kv_chunk):
     from lamina.kernels import paged_attention_ref

@@ -39,7 +39,7 @@ def test_a_replaced_node_costs_only_its_own_requests_kv(folder):
         engine._drop_in_flight()  # ... then a node dies (what finish_step does on the error)
         survivor = engine.worker.nodes[0].node
         old = engine.worker.nodes[1].node
-        engine.worker.nodes[1] = InProcessNode(MemoryNode(old.specs, 64, dtype=old.pool.dtype),
+        engine.worker.nodes[1] = InProcessNode(MemoryNode(old.specs, 64, kv_dtype=old.pool.fmt.name),
                                                "memory node 1")
         lost = engine.recover({1}, out)
         assert lost > 0

@@ -22,7 +22,8 @@ def test_store_then_views_and_gather_round_trip():
     assert torch.equal(pool.k(1)[torch.from_numpy(slots)], k)
     assert torch.equal(pool.v(1)[torch.from_numpy(slots)], v)
     assert not pool.k(0).any() and not pool.k(2).any()  # other layers untouched
-    gk, gv = pool.gather([11, 7], layers=[1])
+    gk, gv, ks, vs = pool.gather([11, 7], layers=[1])
+    assert ks is None and vs is None  # a float pool: no scales
     assert gk.shape == (1, 2, 2, 4)
     assert torch.equal(gk[0], k[[2, 0]]) and torch.equal(gv[0], v[[2, 0]])
     gk[0].zero_()  # gather returns a copy
@@ -31,12 +32,12 @@ def test_store_then_views_and_gather_round_trip():
 
 def test_scatter_gather_all_layers_and_dtype_cast():
     g = torch.Generator().manual_seed(1)
-    pool = KVPool(2, 1, 8, 10, dtype=torch.bfloat16)
+    pool = KVPool(2, 1, 8, 10, torch.bfloat16)
     k = torch.randn(2, 3, 1, 8, generator=g)
     v = torch.randn(2, 3, 1, 8, generator=g)
     slots = torch.tensor([9, 4, 5])
     pool.scatter(slots, k, v)
-    gk, gv = pool.gather(slots)
+    gk, gv, _, _ = pool.gather(slots)
     assert gk.dtype == torch.bfloat16 and gk.shape == (2, 3, 1, 8)
     assert torch.equal(gk, k.to(torch.bfloat16)) and torch.equal(gv, v.to(torch.bfloat16))
     assert pool.gather([], layers=range(2))[0].shape == (2, 0, 1, 8)
@@ -127,3 +128,34 @@ def test_small_pools_and_the_pool_itself():
     assert pool.k_cache.shape == (2, 4096, 3, 64) and not pool.k_cache.any()
     pool.k_cache[0, 1] = 1.0
     assert float(pool.k(0)[1].sum()) == 3 * 64
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "k16v8"])
+def test_8bit_pool_stores_quantised_and_moves_as_stored(name):
+    """store_kv quantises (the C++ append where it builds: the reference's bytes); gather
+    gives the stored bytes and scales; scatter of those into another pool of the format is a
+    byte copy, of float values a quantisation."""
+    from lamina.kernels.kv_format import kv_format
+    fmt = kv_format(name)
+    g = torch.Generator().manual_seed(3)
+    pool = KVPool(2, 3, 64, 32, name)
+    assert pool.k_cache.dtype == fmt.k.storage and pool.v_cache.dtype == fmt.v.storage
+    assert (pool.k_scale is None) == (not fmt.k.scaled) and pool.v_scale.shape == (2, 32, 3)
+    assert pool.bytes_per_slot == 2 * 3 * fmt.bytes_per_token_head(64)
+    slots = np.array([9, 2, 30, 17])
+    k, v = torch.randn(4, 3, 64, generator=g), torch.randn(4, 3, 64, generator=g)
+    pool.store_kv(1, slots, k, v)
+    (kq, ks), (vq, vs) = fmt.k.quantize(k), fmt.v.quantize(v)
+    idx = torch.from_numpy(slots)
+    assert torch.equal(pool.k_cache[1][idx], kq) and torch.equal(pool.v_cache[1][idx], vq)
+    assert torch.equal(pool.scales(1)[1][idx], vs)
+    assert pool.k(1).dtype == fmt.k.dtype  # the kernels' view (float8_e4m3fn for fp8)
+    gk, gv, gks, gvs = pool.gather(slots, layers=[1])
+    other = KVPool(2, 3, 64, 8, name)
+    other.scatter([0, 1, 2, 3], gk, gv, layers=[0], k_scale=gks, v_scale=gvs)
+    assert torch.equal(other.v_cache[0][:4], vq) and torch.equal(other.v_scale[0][:4], vs)
+    other.scatter([4, 5, 6, 7], k[None], v[None], layers=[1])  # float values: quantised
+    assert torch.equal(other.v_cache[1][4:], vq)
+    with pytest.raises(ValueError, match="does not fit"):
+        KVPool(2, 3, 64, 8, "bfloat16").scatter([0, 1, 2, 3], gk, gv, layers=[0],
+                                                k_scale=gks, v_scale=gvs)

@@ -320,3 +320,18 @@ def test_nodes_on_cuda_match_oracle():
     c.move(2, "B", "A", 0, 12)
     c.place[2] = [(0, "A")]
     c.run(c.decode([1, 2]))
+
+
+def test_a_kv_format_the_kernel_cannot_read_is_refused_at_start(kernels):
+    """8-bit KV runs on the C++ kernel (and the reference); a node on another kernel says so
+    before it holds anything, as does a format name that does not exist."""
+    from lamina.config import deployment_config
+    spec = AttentionSpec(layer=0, num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+    kernels("torch")
+    with pytest.raises(ValueError, match="kv_dtype int8: the torch attention kernel"):
+        MemoryNode([spec], 32, kv_dtype="int8")
+    assert MemoryNode([spec], 32, kv_dtype="bfloat16").pool.fmt.name == "bfloat16"
+    kernels("ref")
+    assert MemoryNode([spec], 32, kv_dtype="k16v8").pool.v_scale.shape == (1, 32, 2)
+    with pytest.raises(ValueError, match="kv_dtype 'int4'"):
+        deployment_config("smollm2", kv_dtype="int4")

@@ -25,8 +25,11 @@ SPECS = [AttentionSpec(layer=10 + i, num_heads=HEADS, num_kv_heads=KV_HEADS, hea
 PEER = 7
 
 
-def _node(dtype: torch.dtype) -> MemoryNode:
-    return MemoryNode(SPECS, 256, slab_size=8, dtype=dtype)
+def _node(pool: torch.dtype | str) -> MemoryNode:
+    """A node whose pool holds ``pool``: a float dtype, or a KV format's name."""
+    if isinstance(pool, str):
+        return MemoryNode(SPECS, 256, slab_size=8, kv_dtype=pool)
+    return MemoryNode(SPECS, 256, slab_size=8, dtype=pool)
 
 
 @pytest.fixture
@@ -40,7 +43,7 @@ class Twin:
     """Two equal nodes: ``py`` answers with :func:`handle`, ``nat`` through its plane over a
     shm link (``client`` sends, the node's end is ``node_end``; replies come back on it)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype | str) -> None:
         self.py, self.nat = _node(dtype), _node(dtype)
         self.nat.plane = plane_for(self.nat)
         assert self.nat.plane is not None
@@ -93,13 +96,15 @@ def _state(node: MemoryNode) -> tuple:
     node.sync()
     s = node.stats()
     return (s.used_slots, s.num_requests, sorted(s.shards.items()), sorted(node.in_flight),
-            node.pool.k_cache.view(torch.uint8).clone(), node.pool.v_cache.view(torch.uint8).clone())
+            node.pool.k_cache.view(torch.uint8).clone(), node.pool.v_cache.view(torch.uint8).clone(),
+            [None if x is None else x.clone() for x in (node.pool.k_scale, node.pool.v_scale)])
 
 
 def _equal_state(a: MemoryNode, b: MemoryNode) -> None:
     sa, sb = _state(a), _state(b)
     assert sa[:4] == sb[:4]
     assert torch.equal(sa[4], sb[4]) and torch.equal(sa[5], sb[5])
+    assert all(x is y is None or torch.equal(x, y) for x, y in zip(sa[6], sb[6]))
 
 
 steps = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(1, 6)),
@@ -107,7 +112,8 @@ steps = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(1, 
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(first=steps, pool=st.sampled_from([torch.float32, torch.bfloat16]),
+@given(first=steps, pool=st.sampled_from([torch.float32, torch.bfloat16, "int8", "fp8_e4m3",
+                                         "k16v8"]),
        qdt=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        parts=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
 def test_native_replies_are_the_python_paths(native_available, first, pool, qdt, parts, seed):

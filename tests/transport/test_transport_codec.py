@@ -57,6 +57,24 @@ def test_kv_chunk_round_trip(kind):
         codec.to_message(c, MsgKind.ATTEND)
 
 
+def test_an_8bit_kv_chunk_travels_with_its_scales():
+    """k16v8: bfloat16 K without scales, int8 V with [L, n, Hkv] scales; malformed flags are
+    a WireError."""
+    c = KVChunk(3, 16, torch.randn(2, 5, 4, 8).bfloat16(),
+                torch.randint(-127, 128, (2, 5, 4, 8), dtype=torch.int8), None,
+                torch.rand(2, 5, 4))
+    c2 = codec.from_message(over_wire(codec.to_message(c, MsgKind.IMPORT)))
+    assert c2.k_scale is None
+    assert_same([c.k, c.v, c.v_scale], [c2.k, c2.v, c2.v_scale])
+    m = codec.to_message(c, MsgKind.IMPORT)
+    bad = Message(m.kind, meta=dict(m.meta, scales=[True, True]), tensors=m.tensors)
+    with pytest.raises(WireError, match="carries 4 tensors"):
+        codec.from_message(over_wire(bad))
+    bad = Message(m.kind, meta=dict(m.meta, scales="yes"), tensors=m.tensors)
+    with pytest.raises(WireError, match="two booleans"):
+        codec.from_message(over_wire(bad))
+
+
 def test_stats_and_requests_round_trip():
     s = NodeStats(1000, 300, 700, 256, 3, 2, 1, 2, shards={4: (0, 200), 11: (17, 100)})
     assert codec.from_message(over_wire(codec.to_message(s))) == s
