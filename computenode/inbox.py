@@ -94,6 +94,14 @@ class Inbox:
                         self.forget(i)
                         return source, e
 
+    def pending(self, but: int) -> bool:
+        """Whether a message waits anywhere but on direct link ``but``: in the queue (a reader
+        thread's) or on another direct ring (one look, no wait). A thread about to wait on
+        link ``but`` alone must not while this holds: what waits elsewhere may be work it could
+        run meanwhile (another micro-batch's step)."""
+        return not self.queue.empty() or (
+            self.waits is not None and self.waits.ready(self.rings[:but] + self.rings[but + 1:]))
+
     def forget(self, i: int) -> None:
         """Stop receiving on direct link ``i``."""
         del self.direct[i], self.rings[i]

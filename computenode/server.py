@@ -297,7 +297,7 @@ class ReplicaServer:
         (:meth:`RingChannel.exchange <lamina.transport.ring.RingChannel.exchange>`), then, if
         the RESULT is not the next message, :meth:`_await_result`."""
         i = self.inbox.index(("node", node))
-        if i < 0 or msg.works is not None:
+        if i < 0 or msg.works is not None or self.inbox.pending(i):  # else: the main loop's
             self.to_node(node, msg)
             return time.perf_counter_ns(), None
         ch = self.inbox.direct[i][1]
@@ -315,11 +315,12 @@ class ReplicaServer:
     def _await_result(self, i: int, step_id: int, layer: int) -> AttendResult | None:
         """Wait on this thread for the RESULT of ``(step_id, layer)`` on direct link ``i``'s
         ring alone (no trip through the main loop). None once anything else needs the main
-        loop: a message other than the PREPARE's OK (filed), a post from a reader thread, a
-        wait interval without data, a failing receive (the main loop meets it again)."""
+        loop: a message other than the PREPARE's OK (filed), data on another direct link or a
+        post from a reader thread (another micro-batch may be ready to run), a wait interval
+        without data, a failing receive (the main loop meets it again)."""
         inbox = self.inbox
-        (source, ch), ring = inbox.direct[i], [inbox.rings[i]]
-        while inbox.waits.wait(ring, inbox.waits.posted, WAKE_S) == 0:
+        source, ch = inbox.direct[i]
+        while inbox.waits.wait(inbox.rings, inbox.waits.posted, WAKE_S) == i:
             try:
                 msg = ch.recv()
             except BaseException:  # noqa: BLE001 - the main loop's receive raises it again

@@ -19,7 +19,7 @@ from lamina.engine.request import Request, Status
 from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler
 from lamina.engine.worker import WorkerClient
 from lamina.transport.node_client import NodeClient
-from lamina.types import NodeRoute, SamplingParams, Segment, ShardWork, StepPlan
+from lamina.types import KVChunk, NodeRoute, SamplingParams, Segment, ShardWork, StepPlan
 
 log = logging.getLogger("lamina.engine")
 
@@ -76,6 +76,27 @@ class Engine:
         req = Request(next(self._ids), list(prompt_ids), params)
         self.scheduler.add(req)
         self.requests[req.req_id] = req
+        return req
+
+    def add_precomputed(self, prompt_ids: list[int], params: SamplingParams,
+                        kv_shape: tuple[int, int, int], chunk: int = 256) -> Request:
+        """Benchmarks: a request whose prompt but the last token counts as prefilled, its KV
+        written as zeros straight into the memory nodes (IMPORT, ``chunk`` positions at a
+        time; ``kv_shape`` = (layers, kv_heads, head_dim) of the nodes' pools); its first step
+        decodes the last prompt token. Attention's speed does not depend on the KV's values,
+        so decode over such a context times like decode after a real prefill."""
+        req = self.add_request(prompt_ids, params)
+        try:
+            appends = self.scheduler.admit_computed(req, len(prompt_ids) - 1)
+        except ValueError:
+            self.scheduler.waiting.remove(req)
+            del self.requests[req.req_id]
+            raise
+        L, hkv, d = kv_shape
+        for node, start, count in appends:
+            for s in range(start, start + count, chunk):
+                zeros = torch.zeros(L, min(chunk, start + count - s), hkv, d)
+                self.worker.nodes[node].import_kv(KVChunk(req.req_id, s, zeros, zeros))
         return req
 
     def has_work(self) -> bool:

@@ -121,6 +121,22 @@ class Scheduler:
         self.check_admissible(req)
         self.waiting.append(req)
 
+    def admit_computed(self, req: Request, n: int) -> list[tuple[int, int, int]]:
+        """Start waiting ``req`` with its first ``n`` positions placed and counted as computed
+        (their KV is written by the caller, not by a prefill: synthetic contexts for
+        benchmarks); returns the placement ``[(node, first_position, count), ...]``. Raises
+        ValueError (``req`` stays waiting) when the positions do not fit."""
+        if req not in self.waiting or req.num_computed or not 0 < n < req.num_tokens:
+            raise ValueError(f"request {req.req_id}: cannot admit {n} computed positions")
+        appends = self._place(req, n)
+        if appends is None:
+            raise ValueError(f"request {req.req_id}: {n} positions do not fit in the pool")
+        self.waiting.remove(req)
+        req.status = Status.RUNNING
+        req.num_computed = n
+        self.running.append(req)
+        return appends
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -71,6 +71,11 @@ class WaitSet:
             return int(timeout_s * 1e9), self._yield_every
         return self._spin_ns, 0
 
+    def ready(self, rings: list[tuple[int, int, int]]) -> bool:
+        """Whether one of ``rings`` holds unread bytes now (one look, no wait)."""
+        return bool(rings) and self._fast.wait_any(rings, self._addr, self.posted, self._fd,
+                                                   0, 0, 0) >= 0
+
     def wait(self, rings: list[tuple[int, int, int]], seen: int, timeout_s: float) -> int:
         """Until one of ``rings`` (from :meth:`handles`) holds unread bytes (its index), the
         posted count differs from ``seen`` (:data:`POSTED`), or ``timeout_s`` passed

@@ -108,3 +108,27 @@ def test_8bit_kv_greedy_matches_hf_over_the_same_stored_kv(tiny, kv_dtype, place
         assert [o.outputs[0].token_ids for o in outs] == want
         if placement == "inproc":
             assert llm.deployment.instances[0].nodes[0].node.pool.fmt.name == kv_dtype
+
+
+def test_a_precomputed_context_decodes_beside_real_requests(tiny):
+    """Engine.add_precomputed (synthetic contexts, for benchmarks): zeros imported as the
+    prompt's KV across two nodes, the request decodes to max_tokens and frees its KV, and a
+    real request in the same steps still matches HF."""
+    folder, want = tiny
+    with LLM(str(folder), memory=2, kv_cache_tokens=40, kv_dtype="int8") as llm:
+        d = llm.deployment
+        eng = d.instances[0].engine
+        pool = d.instances[0].nodes[0].node.pool
+        syn = eng.add_precomputed(list(range(3, 63)), SamplingParams(temperature=0, max_tokens=5,
+                                                                     ignore_eos=True),
+                                  (pool.num_layers, pool.num_kv_heads, pool.head_dim), chunk=16)
+        assert syn.num_computed == 59 and len(syn.shards) == 2  # spans both nodes
+        assert sum(c.stats().used_slots for c in d.instances[0].nodes) == 59
+        real = eng.add_request(PROMPTS[4], SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                          ignore_eos=True))
+        while d.has_work():
+            d.step()
+        assert len(syn.output_ids) == 5 and syn.error is None
+        assert real.output_ids == hf_greedy(tiny_model(ARCH[folder]), [PROMPTS[4]], MAX_NEW,
+                                            "int8")[0]
+        assert sum(c.stats().used_slots for c in d.instances[0].nodes) == 0

@@ -137,3 +137,21 @@ def test_a_request_alone_that_cannot_grow_fails_clearly():
     assert segs == [] and pre == [a]
     assert a.finished and a.finish_reason == "error" and "out of KV memory" in str(a.error)
     assert s.free == [6]
+
+
+def test_admit_computed_starts_a_request_past_its_prefill():
+    """Synthetic contexts (benchmarks): n positions placed and counted as computed; the next
+    step decodes the last prompt token; what does not fit stays waiting, untouched."""
+    s = Scheduler([40, 40], SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    a, b = req(0, 50), req(1, 60)
+    s.add(a), s.add(b)
+    appends = s.admit_computed(a, 49)
+    assert a.status == Status.RUNNING and a.num_computed == 49 and a not in s.waiting
+    assert sum(c for _, _, c in appends) == 49 and sum(s.free) == 80 - 49
+    with pytest.raises(ValueError, match="do not fit"):
+        s.admit_computed(b, 59)
+    assert b in s.waiting and b.num_computed == 0 and sum(s.free) == 80 - 49
+    with pytest.raises(ValueError, match="cannot admit"):
+        s.admit_computed(a, 10)  # running already
+    segs, _ = s.schedule()
+    assert [(g.req.req_id, g.start, g.num_tokens, g.sample) for g in segs][0] == (0, 49, 1, True)
