@@ -102,6 +102,20 @@ class Inbox:
         return not self.queue.empty() or (
             self.waits is not None and self.waits.ready(self.rings[:but] + self.rings[but + 1:]))
 
+    def drain(self) -> None:
+        """Move every whole message now waiting on the direct links into the queue (and
+        post), for :meth:`take` to hand out in order later: what a thread blocked writing to
+        a peer calls, so that the peer, blocked writing to it, can go on."""
+        for i in range(len(self.direct) - 1, -1, -1):
+            source, ch = self.direct[i]
+            while self.waits.ready([self.rings[i]]):
+                try:
+                    self.put(source, ch.recv())
+                except BaseException as e:  # noqa: BLE001 - as take reports it
+                    self.forget(i)
+                    self.put(source, e)
+                    break
+
     def forget(self, i: int) -> None:
         """Stop receiving on direct link ``i``."""
         del self.direct[i], self.rings[i]

@@ -45,6 +45,7 @@ from lamina.errors import NodeFailure
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
 from lamina.transport.endpoint import SPIN_US, connect, listen
+from lamina.transport.ring import RingChannel
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, AttendResult, PrepareMsg
@@ -258,7 +259,10 @@ class ReplicaServer:
         every micro-batch (the replica keeps serving the engine)."""
         ch = self.nodes[dest[1]] if isinstance(dest, tuple) else self.next
         try:
-            ch.send(msg)
+            if isinstance(ch, RingChannel) and self.inbox.direct:
+                ch.send(msg, while_full=self.inbox.drain)  # the node may be writing to us
+            else:
+                ch.send(msg)
         except (PeerDied, ChannelClosed) as e:
             self._fail(NodeFailure(f"compute replica {self.cfg.index}: {self._name(dest)} is "
                                    f"gone: {e}"))

@@ -47,6 +47,7 @@ from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, Wir
                                    decode_kind, decode_meta, encode, encode_meta)
 
 _KINDS = frozenset(int(k) for k in MsgKind)
+FULL_POLL_S = 1e-3  # how often a send waiting for room calls its while_full
 _KIND_TYPES = (MsgKind, int)  # a kind of another type goes to the Python encoder (which refuses it)
 
 
@@ -163,7 +164,11 @@ class RingChannel(Channel):
 
     # ------------------------------------------------------------------ data path
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: Message, while_full: Callable[[], None] | None = None) -> None:
+        """Send ``msg``, waiting for ring space as needed. ``while_full``: called (about every
+        millisecond) while the ring has no room, for a caller that must keep taking its own
+        messages in meanwhile: two ends that each block writing into a full ring, neither
+        reading, wait for each other forever."""
         writer, ring = self._writer, self._tx
         with self._tx_lock:
             if self._closed:
@@ -185,7 +190,7 @@ class RingChannel(Channel):
             # NO_ROOM: streamed below; INELIGIBLE: encoded (or refused with the precise
             # WireError) below; PEER_CLOSED: _check_send raises
             self._check_send()
-            self._write(encode(msg, self.limits))
+            self._write(encode(msg, self.limits), while_full)
 
     def send_raw(self, buffers: Sequence[Buffer]) -> None:
         """Write bytes to the stream unchecked: for forwarding messages already encoded with
@@ -201,9 +206,10 @@ class RingChannel(Channel):
             raise ChannelClosed("peer closed the channel")
         self._on_check()
 
-    def _write(self, buffers: Sequence[Buffer]) -> None:
+    def _write(self, buffers: Sequence[Buffer],
+               while_full: Callable[[], None] | None = None) -> None:
         """Stream ``buffers`` into the ring (the caller holds the send lock), waiting for
-        space as needed."""
+        space as needed (calling ``while_full`` meanwhile, see :meth:`send`)."""
         ring, cap, ctl, data = self._tx, self._tx.capacity, self._tx.ctl, self._tx.data
         for buf in buffers:
             src = memoryview(buf).cast("B")
@@ -214,8 +220,12 @@ class RingChannel(Channel):
                 free = cap - (self._tx_end.head - ctl[TAIL])
                 if free <= 0:
                     self._wake_reader(ring)  # it must drain the ring before we go on
+                    if while_full is not None:
+                        while_full()
                     self._wait(ring, W_WAIT, ring.space_bell, TAIL, self._tx_end.head - cap, 1,
-                               self._check_tx, None)
+                               self._check_tx,
+                               None if while_full is None else time.monotonic() + FULL_POLL_S,
+                               None if while_full is None else FULL_POLL_S / 2)
                     continue
                 fence()  # the reader's tail store precedes our overwrite
                 pos = self._tx_end.head % cap

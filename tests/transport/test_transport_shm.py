@@ -343,3 +343,38 @@ def test_subprocess_creator_closed_or_killed_after_attach_leaves_nothing(how):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_two_ends_writing_past_full_rings_at_once_finish_when_one_drains():
+    """A replica streams an ATTEND bigger than the ring while its node streams a RESULT back:
+    each writer waits for the other to read. ``send(while_full=...)`` keeps one side taking
+    its messages in meanwhile, so both finish (without it, both would wait forever)."""
+    import threading
+
+    import torch
+
+    from lamina.transport.shm import shm_pair
+    from lamina.transport.wire import Message, MsgKind
+    a, b = shm_pair(capacity=1 << 16, spin_us=0.0, wake_interval=0.002)
+    big = [torch.arange(200_000, dtype=torch.float32)]  # 800 KB: 12 rings' worth
+    got_a: list = []
+    got_b: list = []
+
+    def node():  # writes its RESULT first, then reads what was sent to it
+        b.send(Message(MsgKind.RESULT, 1, 0, tensors=big))
+        got_b.append(b.recv(10))
+
+    def drain():  # what the replica's inbox does: take in the whole messages waiting
+        if not got_a:
+            got_a.append(a.recv(10))
+    try:
+        other = threading.Thread(target=node)
+        other.start()
+        a.send(Message(MsgKind.ATTEND, 1, 0, tensors=big), while_full=drain)
+        other.join(10)
+        assert not other.is_alive()
+        assert got_a and torch.equal(got_a[0].tensors[0], big[0])
+        assert got_b and torch.equal(got_b[0].tensors[0], big[0])
+    finally:
+        a.close()
+        b.close()
