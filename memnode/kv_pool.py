@@ -76,6 +76,9 @@ class KVPool:
         # float32 [L, S, Hkv] per 8-bit part (None for a float one)
         self.k_scale = alloc(shape[:3], torch.float32) if self.fmt.k.scaled else None
         self.v_scale = alloc(shape[:3], torch.float32) if self.fmt.v.scaled else None
+        # the C++ quantised append, resolved once (None: the torch reference quantises)
+        ext = cpp_ext.load() if self.device.type == "cpu" and self.fmt.scaled else None
+        self._kv_store = ext.kv_store if ext is not None else None
 
     # -- sizing -------------------------------------------------------------------------------
     @staticmethod
@@ -132,9 +135,11 @@ class KVPool:
         """V of one layer, ``[S, Hkv, D]`` in the format's V dtype (a view into the pool)."""
         return self.fmt.v.view(self.v_cache[layer])
 
-    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """K's and V's scales of one layer, ``[S, Hkv]`` float32 views (None: a float part)."""
-        return tuple(None if s is None else s[layer] for s in (self.k_scale, self.v_scale))
+    def scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The scales of one layer's 8-bit parts, ``[S, Hkv]`` float32 views, as the kernels'
+        keyword arguments (``k_scale``, ``v_scale``; empty for a float pool)."""
+        return {name: s[layer] for name, s in (("k_scale", self.k_scale),
+                                               ("v_scale", self.v_scale)) if s is not None}
 
     def index(self, slots) -> torch.Tensor:
         """``slots`` as an int64 tensor on the pool's device, range-checked."""
@@ -160,12 +165,11 @@ class KVPool:
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"layer {layer}: k/v must be {want}, got {tuple(k.shape)} and "
                              f"{tuple(v.shape)}")
-        ext = cpp_ext.load() if self.device.type == "cpu" and self.fmt.scaled else None
         for part, data, scale, x in ((self.fmt.k, self.k_cache, self.k_scale, k),
                                      (self.fmt.v, self.v_cache, self.v_scale, v)):
             x = x.to(self.device)
-            if ext is not None and part.scaled:  # quantised in place, same bytes as below
-                ext.kv_store(part.view(data[layer]), scale[layer], idx, x)
+            if self._kv_store is not None and part.scaled:  # in place, the bytes of below
+                self._kv_store(part.view(data[layer]), scale[layer], idx, x)
                 continue
             q, s = part.quantize(x)
             data[layer].index_copy_(0, idx, q)

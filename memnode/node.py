@@ -229,12 +229,9 @@ class MemoryNode:
         qo_indptr, kv_indptr = torch.from_numpy(view.qo_indptr), torch.from_numpy(idx.kv_indptr)
         if self._attention is None:  # this role's kernel choices hold for its lifetime
             self._attention = dispatch.resolve(self.pool.device)
-        k_scale, v_scale = self.pool.scales(li)
-        scales = {} if k_scale is None and v_scale is None else \
-            {"k_scale": k_scale, "v_scale": v_scale}  # 8-bit pools only: every kernel takes float
         o, lse = self._attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
                                  qo_indptr, kv_indptr, idx.kv_indices, view.q_positions,
-                                 idx.kv_start_pos, spec, **scales)
+                                 idx.kv_start_pos, spec, **self.pool.scales(li))
         if b < R:
             step.progress[li] = b
         else:

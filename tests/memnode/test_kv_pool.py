@@ -148,7 +148,7 @@ def test_8bit_pool_stores_quantised_and_moves_as_stored(name):
     (kq, ks), (vq, vs) = fmt.k.quantize(k), fmt.v.quantize(v)
     idx = torch.from_numpy(slots)
     assert torch.equal(pool.k_cache[1][idx], kq) and torch.equal(pool.v_cache[1][idx], vq)
-    assert torch.equal(pool.scales(1)[1][idx], vs)
+    assert torch.equal(pool.scales(1)["v_scale"][idx], vs)
     assert pool.k(1).dtype == fmt.k.dtype  # the kernels' view (float8_e4m3fn for fp8)
     gk, gv, gks, gvs = pool.gather(slots, layers=[1])
     other = KVPool(2, 3, 64, 8, name)
