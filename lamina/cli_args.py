@@ -47,6 +47,8 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
     "kv_dtype": ("how memory nodes store KV: auto (the model's dtype), float32, bfloat16, int8 or "
                  "fp8_e4m3 (8 bits with a scale per token and head), k16v8 (bfloat16 keys, int8 "
                  "values); 8-bit KV needs CPU memory nodes", KV_DTYPES),
+    "prefix_caching": ("keep computed KV on the memory nodes for later requests that share "
+                       "its prefix (their prefill computes only the rest)", None),
     "slab_size": ("KV slots per slab (the unit of lending and moving)", None),
     "max_num_seqs": ("requests running at once", None),
     "max_num_batched_tokens": ("tokens per step (the chunked-prefill budget)", None),
@@ -59,8 +61,9 @@ _GROUPS = {
     "placement": ("compute", "memory", "instances", "placement", "transport", "address", "device",
                   "memory_device", "cuda_graphs", "device_polling", "kernels", "spare"),
     "pipelining": ("micro_batches", "pipeline", "attn_parts"),
-    "KV cache and scheduling": ("kv_cache_gb", "kv_cache_tokens", "kv_dtype", "slab_size", "max_num_seqs",
-                                "max_num_batched_tokens", "borrowing", "plan_every"),
+    "KV cache and scheduling": ("kv_cache_gb", "kv_cache_tokens", "kv_dtype", "prefix_caching",
+                                "slab_size", "max_num_seqs", "max_num_batched_tokens",
+                                "borrowing", "plan_every"),
 }
 _TYPES = {"kv_cache_tokens": int, "micro_batches": int}  # settings whose default is None
 

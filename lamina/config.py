@@ -102,12 +102,15 @@ class CacheConfig:
     """KV budget per memory node: ``kv_cache_gb``, or exactly ``kv_cache_tokens`` slots;
     ``slab_size`` slots are the unit of lending and moving KV between pools; ``kv_dtype``: how
     pools store K and V (:mod:`lamina.kernels.kv_format`: ``auto`` is the model's dtype;
-    ``float32``, ``bfloat16``, ``int8``, ``fp8_e4m3``, ``k16v8`` = bfloat16 keys, int8 values)."""
+    ``float32``, ``bfloat16``, ``int8``, ``fp8_e4m3``, ``k16v8`` = bfloat16 keys, int8 values);
+    ``prefix_caching``: computed KV stays on the nodes, shared by later requests with the same
+    prefix, until the space is needed (:mod:`lamina.engine.prefix_cache`)."""
 
     kv_cache_gb: float = 1.0
     kv_cache_tokens: int | None = None
     slab_size: int = 256
     kv_dtype: str = "auto"
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:

@@ -202,5 +202,5 @@ class LLM:
         comp = CompletionOutput(0, output_text(req, self.tokenizer), list(req.output_ids),
                                 req.finish_reason)
         return RequestOutput(req.req_id, text_prompt, list(req.prompt_ids), [comp], req.finished,
-                             req.error, req.num_preemptions)
+                             req.error, req.num_preemptions, req.num_cached_tokens or 0)
 

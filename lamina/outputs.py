@@ -18,7 +18,8 @@ class CompletionOutput:
 class RequestOutput:
     """One request's result. ``error`` holds the ValueError (bad input) or other exception that
     ended it; the other requests of the same call are unaffected. ``num_preemptions``: how often
-    its KV was dropped for room and recomputed."""
+    its KV was dropped for room and recomputed; ``num_cached_tokens``: prompt tokens whose KV
+    came from the prefix cache (not computed), as vLLM reports it."""
 
     request_id: int
     prompt: str | None
@@ -27,6 +28,7 @@ class RequestOutput:
     finished: bool = True
     error: Exception | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -40,6 +42,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     error: Exception | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 def output_text(req: Request, tokenizer) -> str:

@@ -8,7 +8,7 @@ the dataclasses of :mod:`lamina.types`:
   kernel indices, kept per ``step_id`` so several micro-batches can be in flight.
 * ``attend(AttendMsg) -> AttendResult`` - store the layer's k/v, run paged attention (for
   the whole step, or for one mini-batch of its works).
-* ``free(req_ids)``, ``free_range``, ``export``, ``import_kv``, ``fork``, ``cancel``, ``stats``.
+* ``free(req_ids)``, ``free_range``, ``export``, ``import_kv``, ``share``, ``cancel``, ``stats``.
 
 A native data plane (:mod:`lamina.memnode.native`, :attr:`MemoryNode.plane`) may serve ATTENDs
 beside these methods, on the same state: prepared steps are registered with it, and
@@ -39,7 +39,7 @@ Semantics (the contract other components rely on):
   requests on every node) and returns the ids it freed. Freeing a busy request removes it at
   once; its slots go back to the pool when its step finishes or is cancelled, so the in-flight
   kernel never reads reused slots.
-* **Export/import/fork** touch only the written part of a shard (positions whose K/V is in
+* **Export/import/share** touch only the written part of a shard (positions whose K/V is in
   every layer); ``free_range``/``import_kv`` refuse busy requests (:class:`RequestBusy`).
   Moving a shard is ``dst.import_kv(src.export(r, a, b))`` then ``src.free_range(r, a, b)``
   where ``[a, b)`` is a prefix or suffix of the source shard.
@@ -57,6 +57,7 @@ from lamina.config import CacheConfig
 from lamina.kernels import dispatch
 from lamina.kernels.kv_format import kv_format
 from lamina.memnode.allocator import OutOfSlots, SlabAllocator
+from lamina.memnode.cascade import attend_cascade
 from lamina.memnode.kv_pool import KVPool
 from lamina.memnode.plan import StepState, build_step
 from lamina.memnode.shard import Shard
@@ -165,7 +166,7 @@ class MemoryNode:
             sh.pending, sh.step = w.num_append, msg.step_id
             step.shards.append(sh)
         self._steps[msg.step_id] = step
-        if self.plane is not None:
+        if self.plane is not None and step.cascade is None:  # a cascade is Python's to serve
             self.plane.add_step(step)
 
     def _check_work(self, w: ShardWork, seen: set[int]) -> Shard | None:
@@ -229,9 +230,14 @@ class MemoryNode:
         qo_indptr, kv_indptr = torch.from_numpy(view.qo_indptr), torch.from_numpy(idx.kv_indptr)
         if self._attention is None:  # this role's kernel choices hold for its lifetime
             self._attention = dispatch.resolve(self.pool.device)
-        o, lse = self._attention(msg.q.to(self.pool.device), self.pool.k(li), self.pool.v(li),
-                                 qo_indptr, kv_indptr, idx.kv_indices, view.q_positions,
-                                 idx.kv_start_pos, spec, **self.pool.scales(li))
+        q, kv = msg.q.to(self.pool.device), (self.pool.k(li), self.pool.v(li))
+        if step.cascade is not None and spec.window is None and (a, b) == (0, R):
+            o, lse = attend_cascade(self._attention, q, *kv, qo_indptr, view.q_positions,
+                                    step.cascade, spec, **self.pool.scales(li))
+        else:
+            o, lse = self._attention(q, *kv, qo_indptr, kv_indptr, idx.kv_indices,
+                                     view.q_positions, idx.kv_start_pos, spec,
+                                     **self.pool.scales(li))
         if b < R:
             step.progress[li] = b
         else:
@@ -352,24 +358,23 @@ class MemoryNode:
         else:
             sh.prepend(slots)
 
-    def fork(self, src_req: int, dst_req: int, end: int | None = None) -> None:
-        """Give ``dst_req`` a shard sharing ``src_req``'s slots for ``[src.start, end)``.
-
-        ``end`` defaults to the end of src's written part. Shared slots are reference counted:
-        each request frees its own references. ``dst_req`` must not be held here.
-        """
-        src = self._shards.get(src_req)
-        if src is None:
-            raise UnknownRequest(f"request {src_req} is not held by this node")
-        if dst_req in self._shards:
-            raise ValueError(f"request {dst_req} already has a shard on this node")
-        end = src.written_end if end is None else end
-        if not src.start < end <= src.written_end:
-            raise ValueError(f"request {src_req}: cannot fork [{src.start}, {end}); written part "
-                             f"is [{src.start}, {src.written_end})")
-        slots = src.slots_of(src.start, end)
+    def share(self, dst: int, parts: Sequence[tuple[int, int, int]]) -> None:
+        """New shard ``dst`` (not held here) with one more reference to the slots of ``parts =
+        [(src, start, end), ...]``: consecutive ranges, each in the written part of shard
+        ``src`` (prefix caching: a request starting on a cached prefix; a new cache entry)."""
+        parts = [(int(r), int(a), int(b)) for r, a, b in parts]
+        if not parts or dst in self._shards:
+            raise ValueError(f"share into {dst}: no parts, or {dst} is held here already")
+        for i, (src, a, b) in enumerate(parts):
+            sh = self._shards.get(src)
+            if sh is None:
+                raise UnknownRequest(f"share into {dst}: shard {src} is not held by this node")
+            if not sh.start <= a < b <= sh.written_end or (i and a != parts[i - 1][2]):
+                raise ValueError(f"share into {dst}: {parts} are not consecutive ranges inside "
+                                 f"the written part [{sh.start}, {sh.written_end}) of {src}")
+        slots = np.concatenate([self._shards[r].slots_of(a, b) for r, a, b in parts])
         self.allocator.fork(slots)
-        self._shards[dst_req] = Shard(src.start, slots)
+        self._shards[dst] = Shard(parts[0][1], slots)
 
     def _idle_shard(self, req_id: int) -> Shard:
         sh = self._shards.get(req_id)
@@ -386,15 +391,12 @@ class MemoryNode:
         return None if sh is None else (sh.start, sh.length)
 
     @property
-    def in_flight(self) -> list[int]:
-        """Ids of prepared steps not finished yet."""
+    def in_flight(self) -> list[int]:  # ids of prepared steps not finished yet
         return list(self._steps)
 
     def stats(self) -> NodeStats:
-        a = self.allocator
-        return NodeStats(capacity_slots=a.capacity, used_slots=a.num_used, free_slots=a.num_free,
-                         slab_size=a.slab_size, total_slabs=a.num_slabs, used_slabs=a.used_slabs,
-                         free_slabs=a.free_slabs, num_requests=len(self._shards),
-                         attend_us=(self._attend_ns + (self.plane.attend_ns if self.plane
-                                                       else 0)) // 1000,
-                         shards={r: (sh.start, sh.length) for r, sh in self._shards.items()})
+        a, plane_ns = self.allocator, self.plane.attend_ns if self.plane else 0
+        return NodeStats(a.capacity, a.num_used, a.num_free, a.slab_size, a.num_slabs,
+                         a.used_slabs, a.free_slabs, len(self._shards),
+                         (self._attend_ns + plane_ns) // 1000,
+                         {r: (sh.start, sh.length) for r, sh in self._shards.items()})

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from lamina.memnode.cascade import Cascade, shared_prefixes
 from lamina.memnode.shard import Shard
 from lamina.types import ShardWork
 
@@ -79,6 +80,7 @@ class StepState:
     # [L] the layers left; moved by MemoryNode.attend and by the native plane alike
     progress: np.ndarray
     deferred_free: list[np.ndarray] = field(default_factory=list)  # slots freed while in flight
+    cascade: Cascade | None = None  # shared prefixes read once (whole-step ATTENDs, no window)
 
     def view(self, a: int, b: int) -> StepView:
         """Kernel inputs for works ``[a, b)``; ``0 <= a < b <= R`` (or the whole step)."""
@@ -129,11 +131,8 @@ def build_step(step_id: int, works: list[ShardWork], shards: list[Shard | None],
     def to_dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-    kv: dict[int | None, KernelIndex] = {}
-    for w in windows:
-        lo = ks if w is None else np.maximum(ks, q_start - w + 1)
-        hi = np.minimum(ke, qe)
-        count = np.where(num_q > 0, np.maximum(hi - lo, 0), 0)
+    def index(lo: np.ndarray) -> KernelIndex:  # keys [lo, min(ke, qe)) of each work
+        count = np.where(num_q > 0, np.maximum(np.minimum(ke, qe) - lo, 0), 0)
         lo = np.where(count > 0, lo, ks)
         pieces: list[np.ndarray] = []
         for r in range(R):
@@ -143,7 +142,26 @@ def build_step(step_id: int, works: list[ShardWork], shards: list[Shard | None],
         kv_indptr = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(count, out=kv_indptr[1:])
         indices = np.concatenate(pieces) if pieces else empty
-        kv[w] = KernelIndex(kv_indptr, to_dev(indices), to_dev(lo))
+        return KernelIndex(kv_indptr, to_dev(indices), to_dev(lo))
+
+    kv = {w: index(ks if w is None else np.maximum(ks, q_start - w + 1)) for w in windows}
+    cascade = None
+    groups = shared_prefixes(olds, ks, q_start, num_q) if None in windows else []
+    if groups:
+        lo = ks.copy()
+        for members, p in groups:
+            lo[members] = p
+        rows = [np.arange(qo_indptr[r], qo_indptr[r + 1]) for members, _ in groups
+                for r in members]
+        g_q = np.zeros(len(groups) + 1, dtype=np.int64)
+        np.cumsum([int(num_q[members].sum()) for members, _ in groups], out=g_q[1:])
+        g_kv = np.zeros(len(groups) + 1, dtype=np.int64)
+        np.cumsum([p for _, p in groups], out=g_kv[1:])
+        rows_np = np.concatenate(rows)
+        cascade = Cascade(index(lo), to_dev(rows_np), g_q, to_dev(q_positions[rows_np]),
+                          KernelIndex(g_kv, to_dev(np.concatenate(
+                              [olds[m[0]][:p] for m, p in groups])),
+                              to_dev(np.zeros(len(groups), dtype=np.int64))))
     append = np.concatenate(new_slots) if new_slots else empty
     a_indptr = np.zeros(R + 1, dtype=np.int64)
     np.cumsum([n.size for n in new_slots], out=a_indptr[1:])
@@ -151,4 +169,4 @@ def build_step(step_id: int, works: list[ShardWork], shards: list[Shard | None],
     progress[-1] = num_layers
     return StepState(step_id=step_id, works=list(works), shards=[],
                      q_positions=to_dev(q_positions), append_slots=to_dev(append), kv=kv,
-                     q_indptr=qo_indptr, a_indptr=a_indptr, progress=progress)
+                     q_indptr=qo_indptr, a_indptr=a_indptr, progress=progress, cascade=cascade)

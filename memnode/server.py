@@ -1,7 +1,7 @@
 """The memory-node server: one :class:`~lamina.memnode.MemoryNode` answering the wire protocol,
 the same code under every placement (a process of its own, a Ray actor).
 
-Requests get one reply each, in order: PREPARE/FREE/IMPORT/PING -> OK, ATTEND -> RESULT,
+Requests get one reply each, in order: PREPARE/FREE/IMPORT/CANCEL/SHARE/PING -> OK, ATTEND -> RESULT,
 STATS -> STATS, EXPORT -> KV, OPEN -> OK with a peer channel's endpoint, SHUTDOWN -> OK then
 exit. FREE names either requests (all their KV) or one position range of one request (what a
 KV move leaves behind). A failing request gets an ERROR reply tagged with its step and layer
@@ -59,6 +59,9 @@ def handle(node: MemoryNode, msg: Message) -> Message:
             return codec.ok({"freed": node.free(what)})
         if kind == MsgKind.CANCEL:
             node.cancel_steps(codec.from_message(msg))
+            return codec.ok()
+        if kind == MsgKind.SHARE:
+            node.share(*codec.from_message(msg))
             return codec.ok()
         if kind == MsgKind.STATS:
             return codec.to_message(node.stats())

@@ -60,6 +60,7 @@ class RunResult:
     tbt_p99: float
     max_batch: int  # most requests decoding in one step
     breakdown: Breakdown = field(default_factory=Breakdown)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +118,7 @@ def run_trace(llm, trace: list[TraceRequest], system: str, *, parallel_nodes: bo
     engine = llm.deployment
     exec0, wait0 = _times(llm)
     attend0 = _attend_s(llm)
+    hits0 = engine.prefix_stats()[1]
     arrival: dict[int, float] = {}
     stamps: dict[int, list[float]] = {}
     errors: list[str] = []
@@ -164,7 +166,7 @@ def run_trace(llm, trace: list[TraceRequest], system: str, *, parallel_nodes: bo
     return RunResult(system, len(trace), completed, errors, out_tokens,
                      sum(tr.prompt_len for tr in trace), wall, out_tokens / wall,
                      percentile(ttft, 50), percentile(ttft, 99), percentile(tbt, 50),
-                     percentile(tbt, 99), max_batch, bd)
+                     percentile(tbt, 99), max_batch, bd, engine.prefix_stats()[1] - hits0)
 
 
 def run_grid_cell(llm, cell: GridCell, system: str, capacity: int) -> GridPoint:

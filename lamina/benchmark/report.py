@@ -137,12 +137,14 @@ def markdown(rep: BenchReport) -> str:
     if rep.trace:
         ref = next((r for r in rep.trace if r.system == "hf"), None)
         lines += ["## Trace", "", "| system | done/req | out tok/s | vs HF | TTFT p50 ms | TTFT p99 ms "
-                  "| TBT p50 ms | TBT p99 ms | max batch |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| TBT p50 ms | TBT p99 ms | max batch | cached prompt tokens |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rep.trace:
             ratio = f"{r.throughput / ref.throughput:.2f}x" if ref else "n/a"
             lines.append(f"| {r.system} | {r.completed}/{r.num_requests} | {_fmt(r.throughput)} | "
                          f"{ratio} | {_ms(r.ttft_p50)} | {_ms(r.ttft_p99)} | {_ms(r.tbt_p50)} | "
-                         f"{_ms(r.tbt_p99)} | {r.max_batch} |")
+                         f"{_ms(r.tbt_p99)} | {r.max_batch} | "
+                         f"{r.cached_tokens}/{r.prompt_tokens} |")
         lines += ["", "Time breakdown (seconds of wall time):", "",
                   "| system | wall | " + " | ".join(COMPONENTS) + " |", "|---" * (2 + len(COMPONENTS)) + "|"]
         for r in rep.trace:

@@ -145,6 +145,10 @@ class Deployment(KVMoves):
         running, waiting = zip(*(x.engine.counts() for x in self.instances))
         return sum(running), sum(waiting)
 
+    def prefix_stats(self) -> tuple[int, int, int]:
+        """Every instance's :meth:`Engine.prefix_stats`, summed."""
+        return tuple(sum(t) for t in zip(*(x.engine.prefix_stats() for x in self.instances)))
+
     def kv_slots(self) -> tuple[list[int], list[int]]:
         """(used, capacity) of every instance's own nodes, instance by instance."""
         used: list[int] = []

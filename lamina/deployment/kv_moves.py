@@ -57,7 +57,8 @@ class KVMoves:
         the request has no such prefix in its own pool, or the gManager or creditor refuses."""
         src = self.instances[cmd.src]
         req = src.engine.requests.get(cmd.req_id)
-        if req is None or req.finished or not req.shards or self.instances[cmd.dst].failed:
+        if (req is None or req.finished or not req.shards or req.num_cached
+                or self.instances[cmd.dst].failed):  # a cached prefix is shared, never moved
             return None
         first = req.shards[0]
         written = min(first.end, req.num_computed) - first.start
@@ -85,7 +86,7 @@ class KVMoves:
         req, loan = m.req, m.loan
         creditor = self.instances[loan.creditor]
         first = req.shards[0] if req.shards else None
-        ok = (not req.finished and first is not None and first.node == m.node
+        ok = (not req.finished and first is not None and first.node == m.node and not req.num_cached
               and first.start == m.start and first.length > m.count
               and loan.debtor_node not in {s.node for s in req.shards}
               and creditor.scheduler.free[loan.creditor_node] >= m.count)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lamina.config import SchedulerConfig
+from lamina.engine.prefix_cache import Drop, PrefixCache
 from lamina.engine.request import Request, Status
 from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler
 from lamina.engine.worker import WorkerClient
@@ -46,15 +47,18 @@ class Engine:
     def __init__(self, worker: WorkerClient, capacities: list[int], config: SchedulerConfig,
                  eos_token_ids: set[int] | None = None, tokenizer=None,
                  vocab_size: int | None = None, id_base: int = 0, lender: Lender | None = None,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, prefix_caching: bool = False):
         """``micro_batches``: slots in flight at once (the instance's pipeline config; the
         worker must accept as many). ``id_base`` starts this engine's request and step ids, so
         engines whose pools lend to each other never share an id on a memory node; ``lender``
-        (cluster borrowing) supplies KV space beyond ``capacities``."""
+        (cluster borrowing) supplies KV space beyond ``capacities``; ``prefix_caching``: keep
+        finished requests' KV on the nodes for later requests that share a prefix
+        (:mod:`lamina.engine.prefix_cache`; cache entries have negative ids on the nodes)."""
         self.worker = worker
         self.micro_batches = micro_batches
         self.vocab_size = vocab_size
-        self.scheduler = Scheduler(capacities, config, lender)
+        cache = PrefixCache(len(capacities)) if prefix_caching else None
+        self.scheduler = Scheduler(capacities, config, lender, cache)
         self.eos = set(eos_token_ids or ())
         self.tokenizer = tokenizer
         self.requests: dict[int, Request] = {}
@@ -170,7 +174,7 @@ class Engine:
         self._steps = itertools.count(next(after._steps))
         self.requests.update({rid: r for rid, r in after.requests.items() if r.finished})
         for req in requests:
-            req.shards, req.num_computed = [], 0
+            req.shards, req.num_computed, req.num_cached, req.cache_last = [], 0, 0, None
             req.status = Status.WAITING
             req.num_preemptions += 1
             self.requests[req.req_id] = req
@@ -195,6 +199,8 @@ class Engine:
             if req is not None and not req.finished:
                 self.abort(req, error)
                 out.finished.append(req)
+        for k in lost:
+            self.scheduler.drop_cached(k)
         redo = [r for r in self.scheduler.running if any(s.node in lost for s in r.shards)]
         tokens = sum(r.num_computed for r in redo)
         for req in redo:
@@ -215,6 +221,8 @@ class Engine:
             if k in lost:
                 continue
             for req_id, (start, n) in st.shards.items():
+                if self.scheduler.cache is not None and self.scheduler.cache.is_entry(req_id):
+                    continue  # a cached prefix: no step touches it
                 req = self.requests.get(req_id)
                 mine = [s for s in req.shards if s.node == k] if req is not None else []
                 end = max(start, mine[0].end) if mine else start
@@ -228,6 +236,11 @@ class Engine:
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests."""
         return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def prefix_stats(self) -> tuple[int, int, int]:
+        """Prefix cache: (prompt tokens looked up, of which cached, slots held); zeros without."""
+        cache = self.scheduler.cache
+        return cache.stats() if cache is not None else (0, 0, 0)
 
     def kv_slots(self) -> tuple[list[int], list[int]]:
         """(used, capacity) KV slots of each of this engine's memory nodes (asks the nodes)."""
@@ -246,7 +259,8 @@ class Engine:
                 max_seqs = max(1, min(cfg.max_num_seqs, -(-active // n)))
             segs, preempted = self.scheduler.schedule(busy, max_seqs, cfg.max_num_seqs * n)
             out.finished.extend(r for r in preempted if r.finished)  # failed: out of KV memory
-            self._free([r.req_id for r in preempted])
+            self._free([r.req_id for r in preempted])  # first: one may be re-admitted on a hit
+            self._apply_cache_ops()
             if not segs:
                 return
             mb = self._form(segs, slot)
@@ -270,6 +284,7 @@ class Engine:
                 self.scheduler.finish(req, reason)
                 finished_ids.append(req.req_id)
                 out.finished.append(req)
+        self._apply_cache_ops()
         self._free(finished_ids)
         for seg in segs:  # aborted while in flight: now its KV can go
             error = self._aborted.pop(seg.req.req_id, None)
@@ -311,6 +326,17 @@ class Engine:
         if req.num_tokens >= self.scheduler.max_capacity:  # its KV could grow no further
             return "length"
         return None
+
+    def _apply_cache_ops(self) -> None:
+        """The prefix cache's node calls since the last (before its slots are freed or reused)."""
+        if self.scheduler.cache is None:
+            return
+        for op in self.scheduler.cache.take_ops():
+            node = self.worker.nodes[op.node]
+            if isinstance(op, Drop):
+                node.free_range(op.entry, op.start, op.end)
+            else:
+                node.share(op.dst, op.parts)
 
     def _free(self, req_ids: list[int]) -> None:
         if req_ids:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from lamina.types import SamplingParams
 
@@ -34,6 +35,11 @@ class Request:
     contiguous and ordered by position). A request whose KV was dropped by preemption goes back
     to WAITING with ``num_computed = 0`` and recomputes prompt + outputs so far (recompute
     preemption: nothing is lost, and already sampled tokens are not sampled again).
+
+    With prefix caching, the first ``num_cached`` positions of its first shard are a cached
+    prefix whose slots the prefix cache owns (the path ending at ``cache_last``, a
+    :class:`~lamina.engine.prefix_cache.CacheNode`, locked while the request holds it);
+    ``num_cached_tokens``: the prompt tokens its first admission found cached.
     """
 
     req_id: int
@@ -47,6 +53,9 @@ class Request:
     error: Exception | None = None
     num_preemptions: int = 0
     max_shards: int = 0  # most memory nodes its KV ever spanned at once
+    num_cached: int = 0
+    cache_last: Any = None
+    num_cached_tokens: int | None = None
 
     @property
     def all_ids(self) -> list[int]:

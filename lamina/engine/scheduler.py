@@ -6,6 +6,12 @@ while it has room; when that node is full the request opens a new shard on the n
 most free slots among those that hold none of it, so one request can outgrow any single node.
 The scheduler mirrors each node's free slot count; memory nodes stay the authority (an
 allocation they refuse is a bug surfaced as an error, never silent).
+
+With a prefix cache (:mod:`lamina.engine.prefix_cache`) an admitted request starts on its
+longest cached prefix, placed on the node that holds it; the cache's slots count as used
+until evicted, least recently used first, when a placement finds no room (before borrowing or
+preempting). Each prefill chunk's KV on a request's first node joins the cache when the chunk
+is committed, and the rest of it (the generated tokens) when the request finishes.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from lamina.engine.prefix_cache import Hit, PrefixCache
 from lamina.engine.request import Request, ShardPlacement, Status
 from lamina.config import SchedulerConfig
 from lamina.errors import ContextLengthExceeded
@@ -46,11 +53,13 @@ class Lender(Protocol):
 
 class Scheduler:
     def __init__(self, node_capacities: list[int], config: SchedulerConfig,
-                 lender: Lender | None = None):
+                 lender: Lender | None = None, cache: PrefixCache | None = None):
         self.capacity = list(node_capacities)
         self.free = list(node_capacities)
         self.config = config
         self.lender = lender
+        self.cache = cache
+        self.computed_tokens = 0  # positions run through the model (prefill, decode, recompute)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._busy: frozenset[int] | set[int] = frozenset()  # in flight during schedule()
@@ -90,7 +99,8 @@ class Scheduler:
         """Account for the first ``count`` positions of req's first shard now living on ``node``
         (a node req does not use; its KV was moved there)."""
         first = req.shards[0]
-        if count >= first.length or node in {s.node for s in req.shards} or self.free[node] < count:
+        if (count >= first.length or node in {s.node for s in req.shards} or self.free[node] < count
+                or req.num_cached):
             raise ValueError(f"request {req.req_id}: cannot move {count} positions to node {node}")
         self.free[node] -= count
         self.free[first.node] += count
@@ -170,15 +180,66 @@ class Scheduler:
         req.max_shards = max(req.max_shards, len(req.shards))
         return plan
 
-    def release(self, req: Request) -> list[int]:
-        """Forget req's KV (finished or preempted); returns the nodes that held some."""
+    def release(self, req: Request, kept: int = 0) -> list[int]:
+        """Forget req's KV (finished or preempted); returns the nodes that held some. Its
+        cached prefix and ``kept`` more positions of its first shard (taken over by the
+        prefix cache) stay counted as used."""
         nodes = []
         for s in req.shards:
             self.free[s.node] += s.length
             nodes.append(s.node)
-        req.shards = []
-        req.num_computed = 0
+        if req.shards:
+            self.free[req.shards[0].node] -= req.num_cached + kept
+        if req.cache_last is not None:
+            self.cache.release(req.cache_last)
+        req.shards, req.num_computed, req.num_cached, req.cache_last = [], 0, 0, None
         return nodes
+
+    # -- prefix cache ------------------------------------------------------------------------------
+    def _hit(self, req: Request) -> Hit | None:
+        """Start waiting ``req`` on its longest cached prefix (undone by :meth:`_unhit` if it is
+        not placed after all)."""
+        if self.cache is None or req.shards:
+            return None
+        hit = self.cache.attach(req.req_id, req.all_ids)
+        if hit is not None:
+            req.shards = [ShardPlacement(hit.node, 0, hit.length)]
+            req.num_computed = req.num_cached = hit.length
+        return hit
+
+    def _unhit(self, req: Request, hit: Hit | None) -> None:
+        if hit is not None:
+            self.cache.release(hit.last)
+            req.shards, req.num_computed, req.num_cached = [], 0, 0
+
+    def _admitted(self, req: Request, hit: Hit | None) -> None:
+        if self.cache is None:
+            return
+        if hit is None:
+            self.cache.miss(len(req.prompt_ids))
+        else:
+            self.cache.commit(hit, len(req.prompt_ids))
+            req.cache_last = hit.last
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_cached
+
+    def _place_evicting(self, req: Request, n: int) -> list[tuple[int, int, int]] | None:
+        """:meth:`_place`, evicting cached prefixes (least recently used first) while they
+        are in the way."""
+        appends = self._place(req, n)
+        while appends is None and self.cache is not None:
+            freed = self.cache.evict(max(1, n - self._room(req)))
+            if not freed:
+                break
+            for node, count in freed:
+                self.free[node] += count
+            appends = self._place(req, n)
+        return appends
+
+    def drop_cached(self, node: int) -> None:
+        """Memory node ``node`` was replaced by an empty one: its cached prefixes are gone."""
+        if self.cache is not None and node < len(self.cache.held):
+            self.free[node] += self.cache.drop_node(node)
 
     # -- scheduling ------------------------------------------------------------------------------
     def schedule(self, busy: frozenset[int] | set[int] = frozenset(), max_seqs: int | None = None,
@@ -199,7 +260,7 @@ class Scheduler:
         while queue and budget > 0 and len(segs) < max_seqs:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed, budget)
-            appends = self._place(req, n)
+            appends = self._place_evicting(req, n)
             if appends is None and self._borrow(req, n - self._room(req)):  # not preempt
                 appends = self._place(req, n)
             while appends is None:
@@ -208,9 +269,9 @@ class Scheduler:
                     break
                 if victim in queue:
                     queue.remove(victim)
-                self._preempt(victim)
+                self._preempt(victim)  # its cached prefix stays, evictable now
                 preempted.append(victim)
-                appends = self._place(req, n)
+                appends = self._place_evicting(req, n)
             if appends is None:
                 if req.num_computed + n <= self.max_capacity:
                     self._preempt(req)  # others in this step hold the memory: retry later
@@ -228,13 +289,16 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(segs) < max_seqs
                and len(self.running) < max_running):
             req = self.waiting[0]
+            hit = self._hit(req)
             n = min(req.num_tokens - req.num_computed, budget)
-            appends = self._place(req, n)
+            appends = self._place_evicting(req, n)
             if (appends is None and req.num_tokens + 1 > self.total_capacity
                     and self._borrow(req, n - self._room(req))):
                 appends = self._place(req, n)  # it can never fit in this pool alone
             if appends is None:
+                self._unhit(req, hit)
                 break  # FIFO: wait for memory
+            self._admitted(req, hit)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -280,12 +344,32 @@ class Scheduler:
         self._preempt(req)
 
     def commit(self, segs: list[ScheduledSegment]) -> None:
-        """The step ran: the segments' tokens now have KV stored."""
+        """The step ran: the segments' tokens now have KV stored. With a prefix cache, a prefill
+        chunk's KV (on the request's first node) is cached at once, for requests admitted
+        from now on."""
         for s in segs:
-            s.req.num_computed = s.start + s.num_tokens
+            req = s.req
+            req.num_computed = s.start + s.num_tokens
+            self.computed_tokens += s.num_tokens
+            if self.cache is not None and s.num_tokens > 1 and req.num_cached_tokens is not None:
+                first = req.shards[0]
+                end = min(req.num_computed, first.end)
+                last = self.cache.extend(req.req_id, req.all_ids[:end], first.node,
+                                         req.num_cached, req.cache_last)
+                if last is not None:
+                    req.num_cached, req.cache_last = end, last
 
     def finish(self, req: Request, reason: str) -> None:
+        """End ``req``; with a prefix cache, its KV on its first node (all of it when it ended
+        well) is offered to the cache first."""
         if req in self.running:
             self.running.remove(req)
-        self.release(req)
+        kept = 0
+        # not a request whose KV was written for it (admit_computed: a synthetic context)
+        if (self.cache is not None and reason != "error" and req.shards
+                and req.num_cached_tokens is not None):
+            first = req.shards[0]
+            kept = self.cache.insert(req.req_id, req.all_ids[:min(req.num_computed, first.end)],
+                                     first.node)
+        self.release(req, kept)
         req.finish(reason)

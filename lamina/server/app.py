@@ -200,7 +200,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
 
         def usage(n_out: int) -> dict:
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
-                    "total_tokens": len(prompt_ids) + n_out}
+                    "total_tokens": len(prompt_ids) + n_out,
+                    "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
         if not stream:
             async def collect() -> dict:

@@ -47,6 +47,9 @@ class EngineMetrics:
     prompt_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # by kind: instance, memory_node, replica
+    prefix_queried_tokens: int = 0  # prefix cache: prompt tokens looked up
+    prefix_hit_tokens: int = 0  # of which found cached
+    prefix_cached_slots: int = 0  # KV slots the cache holds now
     ttft_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
     tbt_s: list[float] = field(default_factory=list)
 
@@ -215,11 +218,15 @@ class AsyncEngine:
                 reason = req.finish_reason or "stop"
                 self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
             st.loop.call_soon_threadsafe(st.queue.put_nowait, StreamDelta(
-                rid, 0, new_ids, delta, req.finished, req.finish_reason, req.error))
+                rid, 0, new_ids, delta, req.finished, req.finish_reason, req.error,
+                req.num_cached_tokens or 0))
 
     def _update_stats(self) -> None:
         self.metrics.running, self.metrics.waiting = self.engine.counts()
         self.metrics.kv_used_slots, self.metrics.kv_capacity_slots = self.engine.kv_slots()
+        m = self.metrics
+        m.prefix_queried_tokens, m.prefix_hit_tokens, m.prefix_cached_slots = \
+            self.engine.prefix_stats()
         d = self.engine
         self.metrics.restarts = {"instance": getattr(d, "instance_restarts", 0),
                                  "memory_node": getattr(d, "node_restarts", 0),

@@ -24,7 +24,13 @@ class _Exporter:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.restarts = Counter("lamina_restarts", "Restarts after a role died, by what was "
                                 "restarted (instance, memory_node, replica)", ["kind"], registry=r)
-        self._seen = {"gen": 0, "prompt": 0}
+        self.prefix_queries = Counter("lamina_prefix_cache_queried_tokens", "Prompt tokens looked "
+                                      "up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("lamina_prefix_cache_hit_tokens", "Prompt tokens found in the "
+                                   "prefix cache (their prefill was skipped)", registry=r)
+        self.prefix_slots = Gauge("lamina_prefix_cache_slots", "KV slots the prefix cache holds",
+                                  registry=r)
+        self._seen = {"gen": 0, "prompt": 0, "pq": 0, "ph": 0}
         self._restarts_seen: dict[str, int] = {}
         self._finished_seen: dict[str, int] = {}
 
@@ -45,7 +51,12 @@ def render_metrics(m) -> bytes:
     for kind, n in m.restarts.items():
         ex.restarts.labels(kind=kind).inc(n - ex._restarts_seen.get(kind, 0))
         ex._restarts_seen[kind] = n
-    ex._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens)
+    # an instance restarted whole starts its cache's counts again: count on from there
+    ex.prefix_queries.inc(max(0, m.prefix_queried_tokens - ex._seen["pq"]))
+    ex.prefix_hits.inc(max(0, m.prefix_hit_tokens - ex._seen["ph"]))
+    ex.prefix_slots.set(m.prefix_cached_slots)
+    ex._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens,
+                    pq=m.prefix_queried_tokens, ph=m.prefix_hit_tokens)
     for reason, n in list(m.finished.items()):
         ex.finished.labels(reason=reason).inc(n - ex._finished_seen.get(reason, 0))
         ex._finished_seen[reason] = n

@@ -13,6 +13,7 @@ STATS      ``stats_request()`` / ``to_message(NodeStats)``  ``None`` (request) /
 FREE       ``free_request(req_ids)``            ``list[int]``
 FREE       ``free_range_request(req_id, a, b)``  ``(req_id, a, b)`` (one range of one request)
 CANCEL     ``cancel_request(step_ids)``          ``list[int]`` (steps to roll back or refuse)
+SHARE      ``share_request(dst, parts)``         ``(dst, [(src, start, end), ...])``
 EXPORT     ``export_request(req_id, start, end)``  ``(req_id, start, end)``
 ERROR      ``to_message(exception)``            the exception instance (see below)
 OK/PING/SHUTDOWN  ``ok(meta)``, ``ping()``, ``shutdown()``  the meta dict
@@ -35,7 +36,7 @@ from lamina.transport.wire import Message, MsgKind, WireError
 from lamina.types import AttendMsg, AttendResult, KVChunk, NodeStats, PrepareMsg, ShardWork
 
 __all__ = ["RemoteError", "register_error", "to_message", "from_message", "free_request",
-           "free_range_request",
+           "free_range_request", "cancel_request", "share_request",
            "export_request", "stats_request", "shutdown", "ping", "ok", "raise_if_error"]
 
 
@@ -148,6 +149,12 @@ def cancel_request(step_ids: list[int]) -> Message:
     return Message(MsgKind.CANCEL, meta={"step_ids": [int(s) for s in step_ids]})
 
 
+def share_request(dst: int, parts: list[tuple[int, int, int]]) -> Message:
+    """SHARE: shard ``dst`` takes the slots of ``parts`` (:meth:`MemoryNode.share`)."""
+    return Message(MsgKind.SHARE, meta={"dst": int(dst),
+                                        "parts": [[int(x) for x in p] for p in parts]})
+
+
 def export_request(req_id: int, start: int, end: int) -> Message:
     """EXPORT: ask for positions ``start .. end-1`` of ``req_id`` (answered with KV)."""
     return Message(MsgKind.EXPORT, meta={"req_id": req_id, "start": start, "end": end})
@@ -232,6 +239,11 @@ def from_message(msg: Message) -> Any:
         return (_int(meta, "req_id"), _int(meta, "start"), _int(meta, "end"))
     if kind == MsgKind.CANCEL:
         return list(_ints(meta.get("step_ids"), "CANCEL step_ids"))
+    if kind == MsgKind.SHARE:
+        parts = meta.get("parts")
+        if not isinstance(parts, list):
+            raise WireError(f"SHARE meta needs a list of 'parts', got {meta!r}")
+        return (_int(meta, "dst"), [tuple(_ints(p, "a SHARE part", 3)) for p in parts])
     if kind == MsgKind.ERROR:
         return _error(msg)
     return meta

@@ -63,6 +63,11 @@ class NodeClient(ABC):
     def cancel(self, step_ids: list[int]) -> None:
         """Roll back steps dropped in flight and refuse their PREPAREs from now on (waits)."""
 
+    @abstractmethod
+    def share(self, dst: int, parts: list[tuple[int, int, int]]) -> None:
+        """Shard ``dst`` takes the slots of ``parts = [(src, start, end)]`` (prefix caching;
+        waits)."""
+
     def close(self) -> None:  # noqa: B027 - optional
         pass
 
@@ -101,6 +106,9 @@ class InProcessNode(NodeClient):
 
     def cancel(self, step_ids: list[int]) -> None:
         self.node.cancel_steps(step_ids)
+
+    def share(self, dst: int, parts: list[tuple[int, int, int]]) -> None:
+        self.node.share(dst, parts)
 
 
 class RemoteNode(NodeClient):
@@ -203,6 +211,9 @@ class RemoteNode(NodeClient):
 
     def cancel(self, step_ids: list[int]) -> None:
         self._call(codec.cancel_request(step_ids))
+
+    def share(self, dst: int, parts: list[tuple[int, int, int]]) -> None:
+        self._call(codec.share_request(dst, parts))
 
     def close(self) -> None:
         """SHUTDOWN and close the channel (whoever started the process stops it)."""

@@ -84,6 +84,7 @@ class MsgKind(IntEnum):
     CONNECT = 17  # engine -> compute replica: attach the endpoints of its nodes and next replica
     RESET = 18  # engine -> compute replica: drop every micro-batch in flight (after an error)
     CANCEL = 19  # engine -> memory node: roll back steps dropped in flight (after a role died)
+    SHARE = 20  # engine -> memory node: a shard shares other shards' slots (prefix caching)
 
 
 _DTYPE_CODES: dict[torch.dtype, int] = {

@@ -64,7 +64,8 @@ def test_greedy_matches_hf(tiny, request, placement, compute, pipeline):
         assert [o.error for o in outs] == [None] * len(PROMPTS)
         assert [o.outputs[0].token_ids for o in outs] == want
         inst = llm.deployment.instances[0]
-        assert [c.stats().used_slots for c in inst.nodes] == [0, 0]  # every request freed
+        # every request freed: the prefix cache holds what is left
+        assert [c.stats().used_slots for c in inst.nodes] == inst.engine.scheduler.cache.held
         if placement != "inproc":
             assert inst.engine.worker.max_in_flight == icfg.pipeline.micro_batches
     if placement == "procs":

@@ -1,7 +1,7 @@
 """Engine.recover, the engine's half of restarting only a dead memory node (in process here: the
 node is replaced by a fresh one by hand): the step in flight is cancelled on the surviving node,
-only the requests that had KV on the lost node recompute, and every output equals the unfaulted
-run's."""
+only the requests that had KV on the lost node recompute (the prefixes cached there are
+dropped), and every output equals the unfaulted run's."""
 import os
 import sys
 
@@ -33,6 +33,8 @@ def test_a_replaced_node_costs_only_its_own_requests_kv(folder):
             engine.step()
         on = {k: [r for r in reqs if any(s.node == k for s in r.shards)] for k in (0, 1)}
         assert on[0] and on[1]  # the requests are spread over both nodes
+        cache = engine.scheduler.cache  # the first run's KV, cached on both nodes, was hit
+        assert all(h > 0 for h in cache.held) and all(r.num_cached > 0 for r in reqs)
         kept = {r.req_id: r.num_computed for r in on[0] if r not in on[1]}
         out = StepOutput()
         engine.start_step(out)  # a step in flight: prepared on both nodes
@@ -43,6 +45,7 @@ def test_a_replaced_node_costs_only_its_own_requests_kv(folder):
                                                "memory node 1")
         lost = engine.recover({1}, out)
         assert lost > 0
+        assert cache.held[1] == 0 and all(c.node == 0 for c in cache.root.children.values())
         assert survivor.in_flight == [] and engine.dropped == []
         shards = survivor.stats().shards
         for r in reqs:  # the survivor holds exactly what the scheduler placed there
@@ -54,3 +57,4 @@ def test_a_replaced_node_costs_only_its_own_requests_kv(folder):
         while engine.has_work():
             engine.step()
         assert [r.output_ids for r in reqs] == want and all(r.error is None for r in reqs)
+        assert [n.stats().used_slots for n in engine.worker.nodes] == cache.held

@@ -37,7 +37,8 @@ def test_completion_with_token_ids(client):
                                              "max_tokens": 5, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["finish_reason"] == "length"
 
 
@@ -235,3 +236,23 @@ def test_no_capacity_is_a_503_with_retry_after_until_an_instance_serves_again(cl
         inst.failed, dep.restart = None, real
     assert client.get("/health").json() == {"status": "ok"}
     _ok(client)
+
+
+def test_a_second_turn_reports_its_cached_prompt_tokens_and_metrics_count_them(client):
+    """The prefix cache through the server: a prompt that continues an earlier one has that
+    part cached; usage and (once the engine's stats are refreshed) /metrics say so."""
+    first = [40 + i for i in range(20)]
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": first, "max_tokens": 3,
+                                              "temperature": 0})
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": first + [7, 8],
+                                              "max_tokens": 2, "temperature": 0})
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": len(first)}
+    for _ in range(100):  # the engine refreshes its stats about once a second
+        text = client.get("/metrics").text
+        hits = [float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("lamina_prefix_cache_hit_tokens_total")]
+        if hits and hits[0] >= len(first):
+            break
+        time.sleep(0.1)
+    assert hits and hits[0] >= len(first) and "lamina_prefix_cache_slots" in text

@@ -155,13 +155,13 @@ def test_import_oom_changes_nothing():
     assert b.stats() == before
 
 
-def test_fork_shares_prefix_slots():
+def test_share_shares_prefix_slots():
     c = make_cluster("A")
     c.place = {1: [(0, "A")], 5: [(0, "A")]}
     c.run([(1, 0, 8)])
     node = c.nodes["A"]
     used = node.stats().used_slots
-    node.fork(1, 5, end=6)
+    node.share(5, [(1, 0, 6)])
     assert node.stats().used_slots == used and node.shard(5) == (0, 6)
     c.holders[5] = {"A"}
     c.hist_k[5] = [k[:6] for k in c.hist_k[1]]
@@ -173,6 +173,40 @@ def test_fork_shares_prefix_slots():
     assert node.stats().used_slots == 6 + 4  # the shared prefix lives on in r5
     c.run(c.decode([5]))
     node.free([5])
+    assert node.stats().used_slots == 0
+    node.allocator.check_invariants()
+
+
+def test_share_chains_entries_and_refuses_bad_parts():
+    """A cache entry made of a request's middle positions, then a request built from two
+    entries (prefix caching's SHARE); bad parts change nothing."""
+    c = make_cluster("A")
+    c.place = {1: [(0, "A")]}
+    c.run([(1, 0, 10)])
+    node = c.nodes["A"]
+    node.share(-1, [(1, 0, 4)])
+    node.share(-2, [(1, 4, 10)])  # an entry may start past 0
+    assert node.shard(-2) == (4, 6)
+    node.free([1])
+    assert node.stats().used_slots == 10
+    before = node.stats()
+    for dst, parts in [(7, [(-1, 0, 4), (-2, 5, 8)]),  # not consecutive
+                       (7, [(-2, 4, 11)]),  # beyond the entry
+                       (7, [(3, 0, 1)]),  # no such shard
+                       (-1, [(-2, 5, 6)]),  # dst is held already
+                       (7, [])]:
+        with pytest.raises((ValueError, LookupError)):
+            node.share(dst, parts)
+        assert node.stats() == before
+    node.share(7, [(-1, 0, 4), (-2, 4, 8)])
+    assert node.shard(7) == (0, 8) and node.stats().used_slots == 10
+    c.place[7] = [(0, "A")]
+    c.holders[7] = {"A"}
+    c.hist_k[7] = [k[:8] for k in c.hist_k[1]]
+    c.hist_v[7] = [v[:8] for v in c.hist_v[1]]
+    c.run([(7, 8, 2)])  # attends over both entries' slots, then its own
+    node.free_range(-2, 6, 10)  # evicting an entry's back
+    node.free([-1, -2, 7])
     assert node.stats().used_slots == 0
     node.allocator.check_invariants()
 
@@ -335,3 +369,40 @@ def test_a_kv_format_the_kernel_cannot_read_is_refused_at_start(kernels):
     assert MemoryNode([spec], 32, kv_dtype="k16v8").pool.v_scale.shape == (1, 32, 2)
     with pytest.raises(ValueError, match="kv_dtype 'int4'"):
         deployment_config("smollm2", kv_dtype="int4")
+
+
+@pytest.mark.parametrize("attention", ["cpp", "torch"])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_requests_on_one_cached_prefix_read_it_once_and_match_oracle(parts, attention, kernels,
+                                                                      monkeypatch):
+    """Requests whose shards start on the same slots (prefix caching's SHARE) form a cascade
+    group: the shared keys are attended once for all of them and merged by LSE (whole-step
+    ATTENDs on layers without a window); mini-batches and windowed layers read them per
+    request. Every result matches the oracle."""
+    import lamina.memnode.node as node_mod
+    calls = []
+
+    def counting(*args, **kw):
+        calls.append(args[6].rows.numel())  # the grouped query rows
+        return node_mod.attend_cascade.__wrapped__(*args, **kw)
+    counting.__wrapped__ = node_mod.attend_cascade
+    monkeypatch.setattr(node_mod, "attend_cascade", counting)
+    kernels(attention)  # the cascade calls whatever kernel the node resolved
+    c = make_cluster("A", capacity=200, parts=parts)
+    c.place = {r: [(0, "A")] for r in range(1, 6)}
+    c.run([(1, 0, 40)])
+    node = c.nodes["A"]
+    node.share(-1, [(1, 0, 40)])  # a cache entry of request 1's prompt
+    for r, n in ((2, 32), (3, 40), (4, 20)):
+        node.share(r, [(-1, 0, n)])
+        c.holders[r] = {"A"}
+        c.hist_k[r] = [k[:n] for k in c.hist_k[1]]
+        c.hist_v[r] = [v[:n] for v in c.hist_v[1]]
+    c.run([(2, 32, 3), (3, 40, 1), (4, 20, 2)] + c.decode([1]) + [(5, 0, 4)])
+    for _ in range(3):
+        c.run(c.decode([1, 2, 3, 4, 5]))
+    if parts == 1:  # each step's unwindowed layers; 4 requests x 1..3 queries grouped
+        layers = sum(s.window is None for s in c.specs)
+        assert layers and calls == [3 + 1 + 2 + 1] * layers + [4] * 3 * layers
+    else:
+        assert calls == []

@@ -76,12 +76,14 @@ def test_an_8bit_kv_chunk_travels_with_its_scales():
 
 
 def test_stats_and_requests_round_trip():
-    s = NodeStats(1000, 300, 700, 256, 3, 2, 1, 2, shards={4: (0, 200), 11: (17, 100)})
+    s = NodeStats(1000, 300, 700, 256, 3, 2, 1, 2, shards={4: (0, 200), -11: (17, 100)})
     assert codec.from_message(over_wire(codec.to_message(s))) == s
     assert codec.from_message(over_wire(codec.stats_request())) is None
     assert codec.from_message(over_wire(codec.free_request([3, 1, 2]))) == [3, 1, 2]
     assert codec.from_message(over_wire(codec.export_request(5, 10, 20))) == (5, 10, 20)
     assert codec.from_message(over_wire(codec.cancel_request([9, 4]))) == [9, 4]
+    parts = [(-3, 0, 16), (-7, 16, 20)]  # prefix cache entries have negative ids
+    assert codec.from_message(over_wire(codec.share_request(5, parts))) == (5, parts)
     assert codec.from_message(over_wire(codec.ok({"freed": [1]}))) == {"freed": [1]}
     assert over_wire(codec.ping()).kind == MsgKind.PING
     assert over_wire(codec.shutdown()).kind == MsgKind.SHUTDOWN
