@@ -345,8 +345,8 @@ class Deployment(KVMoves):
         shards there, and the shards debtors placed on slots it lent."""
         inst = self.instances[i]
         s = inst.scheduler
-        total = sum(inst.physical)
-        used = total - sum(s.free[:inst.own_nodes])
+        total = sum(inst.physical)  # cached prefixes no request uses count as free (lendable)
+        used = total - sum(s.reclaimable(k) for k in range(inst.own_nodes))
         slabs: dict[int, int] = {}
         for req in s.running:
             n = sum(sh.length for sh in req.shards if sh.node < inst.own_nodes)

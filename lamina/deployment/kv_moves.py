@@ -69,7 +69,8 @@ class KVMoves:
         if res is None:
             return None
         creditor = self.instances[cmd.dst]
-        cnode = max(range(creditor.own_nodes), key=lambda n: creditor.scheduler.free[n])
+        cnode = max(range(creditor.own_nodes), key=lambda n: creditor.scheduler.reclaimable(n))
+        creditor.engine.reclaim(cnode, count)
         loan = self._loan(cmd.src, cmd.dst, cnode)
         if creditor.scheduler.free[cnode] < count or loan.debtor_node in {s.node for s in req.shards}:
             self.gmanager.call("abort", res.res_id)
@@ -148,11 +149,13 @@ class KVMoves:
             exclude.append(res.dst)
             creditor = self.instances[res.dst]
             want, lent = res.num_slabs * self.slab, 0
-            for cnode in sorted(range(creditor.own_nodes), key=lambda n: -creditor.scheduler.free[n]):
+            cs = creditor.scheduler
+            for cnode in sorted(range(creditor.own_nodes), key=lambda n: -cs.reclaimable(n)):
                 loan = self._loan(debtor, res.dst, cnode)
                 if loan.debtor_node in used and loan.debtor_node != tail:
                     continue  # a request holds one contiguous shard per node
-                take = min(want - lent, creditor.scheduler.free[cnode])
+                creditor.engine.reclaim(cnode, want - lent)  # its cached prefixes give way
+                take = min(want - lent, cs.free[cnode])
                 if take > 0:
                     self.lend(loan, take)
                     lent += take

@@ -327,6 +327,12 @@ class Engine:
             return "length"
         return None
 
+    def reclaim(self, node: int, slots: int) -> None:
+        """Evict cached prefixes on own memory node ``node`` until ``slots`` slots are free
+        there, or as many as can be (before lending them to another pool)."""
+        self.scheduler.reclaim(node, slots)
+        self._apply_cache_ops()
+
     def _apply_cache_ops(self) -> None:
         """The prefix cache's node calls since the last (before its slots are freed or reused)."""
         if self.scheduler.cache is None:

@@ -229,10 +229,16 @@ class PrefixCache:
             node = node.parent
 
     # -- eviction ---------------------------------------------------------------------------------
-    def evict(self, slots: int) -> list[tuple[int, int]]:
-        """Evict unlocked leaves, least recently used first, until at least ``slots`` slots are
-        freed or none is left; returns ``[(memory node, slots freed)]`` and queues the Drops."""
-        heap = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and not n.locks]
+    def evictable(self, node: int) -> int:
+        """Slots on memory node ``node`` that evictions could free (no request holds them)."""
+        return sum(len(n.tokens) for n in self._nodes() if n.node == node and not n.locks)
+
+    def evict(self, slots: int, node: int | None = None) -> list[tuple[int, int]]:
+        """Evict unlocked leaves (on memory node ``node`` only, if given), least recently used
+        first, until at least ``slots`` slots are freed or none is left; returns ``[(memory
+        node, slots freed)]`` and queues the Drops."""
+        heap = [(n.last_used, id(n), n) for n in self._nodes()
+                if not n.children and not n.locks and node in (None, n.node)]
         heapq.heapify(heap)
         freed: list[tuple[int, int]] = []
         total = 0
@@ -241,7 +247,8 @@ class PrefixCache:
             freed.append((leaf.node, self._remove(leaf)))
             total += freed[-1][1]
             parent = leaf.parent
-            if parent is not self.root and not parent.children and not parent.locks:
+            if (parent is not self.root and not parent.children and not parent.locks
+                    and node in (None, parent.node)):
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
 

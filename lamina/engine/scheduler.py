@@ -236,6 +236,18 @@ class Scheduler:
             appends = self._place(req, n)
         return appends
 
+    def reclaimable(self, node: int) -> int:
+        """Free slots of ``node`` plus those its cached prefixes hold that no request uses."""
+        cached = self.cache.evictable(node) if self.cache is not None else 0
+        return self.free[node] + cached
+
+    def reclaim(self, node: int, slots: int) -> None:
+        """Evict cached prefixes on ``node`` until it has ``slots`` free slots, or as many as
+        it can (for lending them to another pool)."""
+        if self.cache is not None and self.free[node] < slots:
+            for k, count in self.cache.evict(slots - self.free[node], node):
+                self.free[k] += count
+
     def drop_cached(self, node: int) -> None:
         """Memory node ``node`` was replaced by an empty one: its cached prefixes are gone."""
         if self.cache is not None and node < len(self.cache.held):

@@ -195,3 +195,22 @@ def test_a_prefill_chunk_is_cached_for_requests_admitted_after_it():
     _run(s, [])
     assert a.finish_reason == b.finish_reason == "length"
     assert s.free[0] + s.cache.held[0] == 256
+
+
+def test_cached_prefixes_give_way_to_lending_on_their_node_only():
+    """A pool lending slots evicts its unused cached prefixes on that node (a creditor whose
+    cache filled its pool would otherwise lend nothing, and a borrower wait forever)."""
+    s = Scheduler([32, 32], SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                  cache=PrefixCache(2))
+    s.free = [0, 0]  # every slot used: half by cached prefixes, one of them in use
+    s.cache.insert(1, list(range(10)), 0)
+    s.cache.insert(2, list(range(50, 60)), 1)
+    s.cache.insert(3, list(range(70, 76)), 0)
+    hit = s.cache.attach(4, list(range(70, 77)))
+    assert [s.reclaimable(k) for k in (0, 1)] == [10, 10]
+    s.reclaim(0, 8)
+    assert s.free == [10, 0] and s.cache.held == [6, 10]
+    assert [type(op).__name__ for op in s.cache.take_ops()] == ["Share"] * 3 + ["Drop"]
+    s.reclaim(0, 20)  # the rest is in use
+    assert s.free == [10, 0]
+    s.cache.release(hit.last)
