@@ -1,8 +1,9 @@
 """Cascade attention over shared prefixes: a step's requests that start on the same slots (a
 prefix from the prefix cache, :mod:`lamina.engine.prefix_cache`) read those keys once.
 
-A *group* is two or more works whose shards begin with the same ``p >= MIN_SHARED`` slots and
-whose queries all come at or after position ``p`` (so every query sees the whole prefix). The
+A *group* is two or more works whose shards begin with the same ``p >= MIN_SHARED`` slots
+(saving at least ``MIN_SAVED`` key reads) and whose queries all come at or after position
+``p`` (so every query sees the whole prefix). The
 step then runs its kernel twice (Hydragen / FlashInfer's cascade): once over each work's own
 keys (a grouped work's from ``p`` on), and once with every grouped query of a group as the
 rows of one kernel request over the shared keys, so each tile of queries reads each prefix
@@ -21,9 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["MIN_SHARED", "Cascade", "attend_cascade", "shared_prefixes"]
+__all__ = ["MIN_SAVED", "MIN_SHARED", "Cascade", "attend_cascade", "shared_prefixes"]
 
-MIN_SHARED = 16  # shorter shared prefixes are read per request (a second pass would cost more)
+# A group pays for a second kernel call and a merge per layer: worth it only when it saves
+# reading many keys (measured: 8 requests on a 200-token prefix ran slower with it, 64 on
+# 2,000 faster; bench/prefix.py --traces attention)
+MIN_SHARED = 64  # shared positions at least
+MIN_SAVED = 4096  # key positions not read again: (members - 1) * shared
 
 
 @dataclass
@@ -43,8 +48,8 @@ class Cascade:
 def shared_prefixes(olds: list[np.ndarray], ks: np.ndarray, q_start: np.ndarray,
                     num_q: np.ndarray) -> list[tuple[list[int], int]]:
     """Groups ``(works, p)`` of works whose held slots ``olds[r]`` (positions from ``ks[r]``)
-    start with the same ``p >= MIN_SHARED`` slots, ``p <= q_start`` of each (vectorised
-    compares; one pass over the prefix per member)."""
+    start with the same ``p >= MIN_SHARED`` slots, ``p <= q_start`` of each, worth a second
+    pass (see ``MIN_SAVED``; vectorised compares, one pass over the prefix per member)."""
     by_first: dict[int, list[int]] = {}
     for r, old in enumerate(olds):
         if num_q[r] and ks[r] == 0 and old.size >= MIN_SHARED:
@@ -60,7 +65,7 @@ def shared_prefixes(olds: list[np.ndarray], ks: np.ndarray, q_start: np.ndarray,
             if diff.size:
                 p = int(diff[0])
                 base = base[:p]
-        if p >= MIN_SHARED:
+        if p >= MIN_SHARED and (len(members) - 1) * p >= MIN_SAVED:
             groups.append((members, p))
     return groups
 

@@ -52,7 +52,7 @@ class Engine:
         worker must accept as many). ``id_base`` starts this engine's request and step ids, so
         engines whose pools lend to each other never share an id on a memory node; ``lender``
         (cluster borrowing) supplies KV space beyond ``capacities``; ``prefix_caching``: keep
-        finished requests' KV on the nodes for later requests that share a prefix
+        computed KV on the nodes for later requests that share its prefix
         (:mod:`lamina.engine.prefix_cache`; cache entries have negative ids on the nodes)."""
         self.worker = worker
         self.micro_batches = micro_batches

@@ -379,8 +379,11 @@ def test_requests_on_one_cached_prefix_read_it_once_and_match_oracle(parts, atte
     group: the shared keys are attended once for all of them and merged by LSE (whole-step
     ATTENDs on layers without a window); mini-batches and windowed layers read them per
     request. Every result matches the oracle."""
+    import lamina.memnode.cascade as cascade_mod
     import lamina.memnode.node as node_mod
     calls = []
+    monkeypatch.setattr(cascade_mod, "MIN_SHARED", 16)  # this test's prefixes are short
+    monkeypatch.setattr(cascade_mod, "MIN_SAVED", 0)
 
     def counting(*args, **kw):
         calls.append(args[6].rows.numel())  # the grouped query rows
