@@ -6,13 +6,12 @@ the dataclasses of :mod:`lamina.types`:
 
 * ``prepare(PrepareMsg)`` - reserve slots for the step's appended tokens and precompute the
   kernel indices, kept per ``step_id`` so several micro-batches can be in flight.
-* ``attend(AttendMsg) -> AttendResult`` - store the layer's k/v, run paged attention (for
-  the whole step, or for one mini-batch of its works).
+* ``attend(AttendMsg) -> AttendResult`` - store the layer's k/v, run paged attention.
 * ``free(req_ids)``, ``free_range``, ``export``, ``import_kv``, ``share``, ``cancel``, ``stats``.
 
 A native data plane (:mod:`lamina.memnode.native`, :attr:`MemoryNode.plane`) may serve ATTENDs
-beside these methods, on the same state: prepared steps are registered with it, and
-:meth:`MemoryNode.sync` ends the steps it finished (its server calls it before each request).
+beside these methods, on the same state: prepared steps are registered with it, and :meth:`sync`
+ends the steps it finished (its server calls it before each request).
 
 Semantics (the contract other components rely on):
 
@@ -91,8 +90,7 @@ class MemoryNode:
     ``num_kv_heads`` and ``head_dim`` (one pool shape). Give either ``pool`` or
     ``capacity_slots`` (then a pool on ``device`` in KV format ``kv_dtype`` is created:
     :mod:`lamina.kernels.kv_format`, ``auto`` being the model's ``dtype``). A format the
-    device's attention kernel cannot read is a ``ValueError`` here.
-    """
+    device's attention kernel cannot read is a ``ValueError`` here."""
 
     def __init__(self, specs: Sequence[AttentionSpec], capacity_slots: int | None = None, *,
                  pool: KVPool | None = None, slab_size: int = CacheConfig.slab_size,
