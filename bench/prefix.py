@@ -128,7 +128,7 @@ def run_attention(args) -> dict:
         nodes[layout] = node
     times: dict[str, list[float]] = {"uncached": [], "shared, per request": [], "cached": []}
     step = 0
-    for rep in range(args.reps):
+    for _ in range(args.reps):
         for name in times:
             node = nodes["uncached" if name == "uncached" else "cached"]
             pos = node.shard(0)[1]

@@ -227,14 +227,18 @@ class Scheduler:
         """:meth:`_place`, evicting cached prefixes (least recently used first) while they
         are in the way."""
         appends = self._place(req, n)
-        while appends is None and self.cache is not None:
-            freed = self.cache.evict(max(1, n - self._room(req)))
-            if not freed:
-                break
-            for node, count in freed:
-                self.free[node] += count
+        while appends is None and self.cache is not None \
+                and self._evict(max(1, n - self._room(req))):
             appends = self._place(req, n)
         return appends
+
+    def _evict(self, slots: int, node: int | None = None) -> bool:
+        """Evict cached prefixes (on ``node`` only, if given) for ``slots`` slots; whether any
+        slot was freed."""
+        freed = self.cache.evict(slots, node)
+        for k, count in freed:
+            self.free[k] += count
+        return bool(freed)
 
     def reclaimable(self, node: int) -> int:
         """Free slots of ``node`` plus those its cached prefixes hold that no request uses."""
@@ -245,8 +249,7 @@ class Scheduler:
         """Evict cached prefixes on ``node`` until it has ``slots`` free slots, or as many as
         it can (for lending them to another pool)."""
         if self.cache is not None and self.free[node] < slots:
-            for k, count in self.cache.evict(slots - self.free[node], node):
-                self.free[k] += count
+            self._evict(slots - self.free[node], node)
 
     def drop_cached(self, node: int) -> None:
         """Memory node ``node`` was replaced by an empty one: its cached prefixes are gone."""
