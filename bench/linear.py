@@ -10,6 +10,8 @@ one pass over *all* the weights (as a decode step does: they do not fit in cache
 
 * ``q8_0`` / ``gguf``: ``ext.quant_linear`` on GGUF blocks (float32 runs only): every weight in
   Q8_0, and the builtin GGUF's mix (Q4_1 layers, a Q8_0 LM head), random blocks of those shapes;
+* ``gguf-q8``: ``ext.quant_linear_q8`` on the same mix repacked (8-bit activations, integer dot
+  products: the ``gguf-q8`` linear choice);
 
 and a sequential read of the same number of bytes (``tensor.sum``) as the bandwidth baseline.
 Prints GB/s of weights streamed and GFLOP/s, saves bench/results/linear_cpu.{json,md}.
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                                   generator=g), kind, n)
         quant["q8_0"] = [blocks(n, k, 8) for n, k in SHAPES]
         quant["gguf"] = [blocks(n, k, 8 if n == VOCAB else 3) for n, k in SHAPES]
+        quant["gguf-q8"] = [(ext.pack_q8_weight(b, kind), kind, n) for b, kind, n in quant["gguf"]]
     flat = torch.randn(nbytes // 4, generator=g)
     copy_s = _time(lambda: flat.sum(), args.reps)
     rows = []
@@ -94,6 +97,11 @@ def main(argv: list[str] | None = None) -> None:
              "cpp": _time(lambda: [ext.skinny_linear(xs[w.shape[1]], p, w.shape[0], None)
                                    for w, p in zip(weights, packed)], args.reps)}
         for name, layers in quant.items():
+            if name == "gguf-q8":
+                t[name] = _time(lambda: [ext.quant_linear_q8(xs[k], b, n, kind, None)
+                                         for (b, kind, n), (_, k) in zip(layers, SHAPES)],
+                                args.reps)
+                continue
             t[name] = _time(lambda: [ext.quant_linear(xs[b.shape[1] // BLOCK_BYTES[kind] * 32], b,
                                                       kind, None) for b, kind, _ in layers],
                             args.reps)

@@ -14,6 +14,14 @@ outputs differ from the float32 model's by float rounding only (the order of the
 * :func:`use_gguf_linear` points each packed linear node (:func:`~lamina.computenode.cpu_linear.
   use_skinny_linear`) whose weight has blocks at :func:`gguf_linear`: calls of up to
   :data:`QUANT_ROWS` rows run on the blocks, larger ones on the float32 panels, as before.
+
+With ``KernelConfig(linear="gguf-q8")`` the nodes call :func:`gguf_q8_linear` instead: every
+float32 call's rows are quantised to 8 bits per block of 32 (ggml's Q8_1) and multiplied with
+integer dot products (``kernels/csrc/quant_dot_cpu.cpp``, on the blocks repacked 8 output rows
+at a time), as llama.cpp does: fewer instructions per weight than dequantising, and faster than
+the float32 panels and ``F.linear`` at every row count ``bench/linear.py`` measures (1-256),
+at the cost of rounding the activations (``bench/gguf_accuracy.py`` measures it against the
+float model).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import torch
 from torch import fx
 
 from lamina.computenode.fast_ops import constant
-from lamina.config import kernels_in_use
+from lamina.config import GGUF_KERNELS, kernels_in_use
 from lamina.kernels import cpp_ext
 
 SUPPORTED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type -> name (quant_linear's kinds)
@@ -95,9 +103,9 @@ def read_blocks(path: str | Path) -> dict[str, tuple[int, torch.Tensor]]:
 
 def blocks_for(model: str, device: torch.device | str) -> dict | None:
     """The blocks a replica of ``model`` on ``device`` runs on: :func:`read_blocks` of the
-    model's GGUF where this process's ``linear`` kernel choice is ``gguf`` (an error on a
-    non-CPU device or a model that is no GGUF), else None."""
-    if kernels_in_use().linear != "gguf":
+    model's GGUF where this process's ``linear`` kernel choice is ``gguf`` or ``gguf-q8`` (an
+    error on a non-CPU device or a model that is no GGUF), else None."""
+    if kernels_in_use().linear not in GGUF_KERNELS:
         return None
     if torch.device(device).type != "cpu":
         raise GGUFLinearError("the 'gguf' linear kernels run on CPU replicas only")
@@ -115,16 +123,30 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _ext.packed_linear(x, weight, bias, panels, max_rows, max_rows_same)
 
 
+def gguf_q8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   panels: torch.Tensor, max_rows: int, max_rows_same: int,
+                   packed: torch.Tensor, kind: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` approximately: float32 calls on ``packed``
+    (``ext.pack_q8_weight`` of the blocks) with 8-bit activations, others exactly by
+    ``packed_linear`` on the float32 panels."""
+    if x.dtype == torch.float32:
+        return _ext.quant_linear_q8(x, packed, weight.shape[0], kind, bias)
+    return _ext.packed_linear(x, weight, bias, panels, max_rows, max_rows_same)
+
+
 def use_gguf_linear(gm: fx.GraphModule, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
     """Point ``gm``'s packed linear nodes whose weight (a constant named after transformers'
-    parameter, under any prefix) has ``blocks`` at :func:`gguf_linear`, checking shapes. In
-    place, recompiled; returns how many nodes were changed."""
+    parameter, under any prefix) has ``blocks`` at :func:`gguf_linear`, or at
+    :func:`gguf_q8_linear` (with the blocks repacked) where this process's linear choice is
+    ``gguf-q8``; checks shapes. In place, recompiled; returns how many nodes were changed."""
     global _ext
     ext = cpp_ext.load()
     if ext is None:
         raise GGUFLinearError(f"GGUF linear kernels need the C++ extension: "
                               f"{cpp_ext.build_error()}")
     _ext = ext
+    q8 = kernels_in_use().linear == "gguf-q8"
+    packs: dict[int, torch.Tensor] = {}  # id(blocks) -> repacked: a tied head's blocks once
     n = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not ext.packed_linear:
@@ -139,11 +161,15 @@ def use_gguf_linear(gm: fx.GraphModule, blocks: dict[str, tuple[int, torch.Tenso
         N, K = weight.shape
         if b.shape[0] != N or b.shape[1] != K // 32 * BLOCK_BYTES[kind]:
             raise GGUFLinearError(f"{name}: blocks {tuple(b.shape)} do not fit weight {N}x{K}")
+        if q8:
+            if id(b) not in packs:
+                packs[id(b)] = ext.pack_q8_weight(b, kind)
+            b = packs[id(b)]
         attr = f"_lamina_blocks_{n}"
         gm.register_buffer(attr, b, persistent=False)
         with gm.graph.inserting_before(node):
             b_node = gm.graph.get_attr(attr)
-        node.target = gguf_linear
+        node.target = gguf_q8_linear if q8 else gguf_linear
         node.args = (*node.args, b_node, kind)
         n += 1
     if n:

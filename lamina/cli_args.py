@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from lamina.config import (ATTENTION_KERNELS, PLACEMENTS, POLLING, SCHEDULES, SETTINGS, TRANSPORTS,
-                           deployment_config)
+from lamina.config import (ATTENTION_KERNELS, GGUF_KERNELS, PLACEMENTS, POLLING, SCHEDULES,
+                           SETTINGS, TRANSPORTS, deployment_config)
 from lamina.types import KV_DTYPES
 
 # setting -> (help, choices); the groups list the flags in --help order
@@ -33,8 +33,9 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
                        "results release (cuda: needs cupy; emulated: CPU stand-in)", POLLING),
     "kernels": ("what every role computes with, by one name: the attention backend; torch also "
                 "means torch linear layers, the Python ring and ATTEND path; gguf: the defaults "
-                "with a GGUF model's linear layers on its own quantised blocks (default: "
-                "$LAMINA_KERNELS, else auto)", (*ATTENTION_KERNELS, "gguf")),
+                "with a GGUF model's linear layers on its own quantised blocks; gguf-q8: those "
+                "blocks times 8-bit activations, as llama.cpp (faster, not exact) (default: "
+                "$LAMINA_KERNELS, else auto)", (*ATTENTION_KERNELS, *GGUF_KERNELS)),
     "spare": ("procs: keep a role process started ahead, so that a role that dies comes "
               "back faster", None),
     "micro_batches": ("micro-batches in flight (default: 1; compute+1 when rotational)", None),

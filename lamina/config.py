@@ -19,7 +19,8 @@ PLACEMENTS = ("inproc", "procs", "ray")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 POLLING = ("off", "cuda", "emulated")
 ATTENTION_KERNELS = ("auto", "cpp", "triton", "torch", "batched", "ref")
-LINEAR_KERNELS = ("auto", "packed", "gguf", "torch")
+LINEAR_KERNELS = ("auto", "packed", "gguf", "gguf-q8", "torch")
+GGUF_KERNELS = ("gguf", "gguf-q8")  # linear choices that read a GGUF's blocks (kernels names too)
 RING_CODECS = ("auto", "cpp", "python")
 NODE_PLANES = ("auto", "native", "python")
 
@@ -34,7 +35,9 @@ class KernelConfig:
     * ``linear``: decode-sized linear layers on CPU: ``auto`` (the packed C++ kernel where it
       builds), ``packed`` (that kernel or an error), ``gguf`` (a GGUF model's own Q4_0 / Q4_1 /
       Q8_0 blocks for calls of a few rows, the packed kernel for the rest:
-      :mod:`lamina.computenode.gguf_linear`), ``torch`` (:mod:`lamina.computenode.cpu_linear`);
+      :mod:`lamina.computenode.gguf_linear`), ``gguf-q8`` (the same blocks with the activations
+      quantised to 8 bits and integer dot products, as llama.cpp: faster, not exact),
+      ``torch`` (:mod:`lamina.computenode.cpu_linear`);
     * ``ring``: the shared-memory ring's codec: ``auto`` (the C++ fast path where it builds),
       ``cpp`` (that or an error), ``python`` (:mod:`lamina.transport.shm_fast`);
     * ``plane``: who serves a memory node's ATTENDs: ``auto`` (the native plane where it builds
@@ -57,13 +60,13 @@ class KernelConfig:
     def named(cls, name: str) -> "KernelConfig":
         """The choices by one name, as ``LAMINA_KERNELS`` and ``--kernels`` give them: an
         attention backend, with torch linear layers unless it is ``auto`` or ``cpp``; ``torch``
-        also means the Python ring and ATTEND path (no C++ at all); ``gguf``: the defaults with
-        ``linear="gguf"``."""
-        if name == "gguf":
-            return cls(linear="gguf")
+        also means the Python ring and ATTEND path (no C++ at all); ``gguf`` / ``gguf-q8``: the
+        defaults with that linear choice."""
+        if name in GGUF_KERNELS:
+            return cls(linear=name)
         if name not in ATTENTION_KERNELS:
             raise ValueError(f"kernels {name!r} (LAMINA_KERNELS / --kernels): expected one of "
-                             f"{', '.join(ATTENTION_KERNELS)}, gguf")
+                             f"{', '.join(ATTENTION_KERNELS + GGUF_KERNELS)}")
         python = "python" if name == "torch" else "auto"
         return cls(name, "auto" if name in ("auto", "cpp") else "torch", python, python)
 

@@ -6,7 +6,8 @@ own environment:
 
 * ``LAMINA_KERNELS``: the default :class:`~lamina.config.KernelConfig` by one name: ``auto``
   (the default), ``cpp``, ``triton``, ``torch`` (no C++ at all: torch attention, torch linear
-  layers, the Python ring), ``batched`` or ``ref`` (:meth:`~lamina.config.KernelConfig.named`).
+  layers, the Python ring), ``batched``, ``ref``, ``gguf`` or ``gguf-q8`` (a GGUF's own
+  blocks in the linear layers; :meth:`~lamina.config.KernelConfig.named`).
 
 Paths and build settings are read where they are used, through :func:`path` and :func:`text`
 (so a test or a launcher may change them for the next use): ``LAMINA_CACHE`` (built extensions,

@@ -29,6 +29,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                         const c10::optional<at::Tensor>& bias);
 
+// quant_dot_cpu.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x);
+at::Tensor pack_q8_weight(const at::Tensor& blocks, int64_t kind);
+at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                           int64_t kind, const c10::optional<at::Tensor>& bias);
+
 // fused_cpu.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& a, const at::Tensor& b);
@@ -72,6 +78,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear,
         "quant_linear(x[..., K] float32, blocks[N, K/32 * bytes] uint8, ggml type (Q4_0 2, "
         "Q4_1 3, Q8_0 8), bias) -> y[..., N] float32", nogil);
+  m.def("quantize_q8", &quantize_q8,
+        "quantize_q8(x[..., K] float32) -> (q int8 [M, K], d [M, K/32], s [M, K/32]): x per "
+        "block of 32 as ggml's Q8_1 (d = amax / 127, q = round(x / d), s = d * sum q)", nogil);
+  m.def("pack_q8_weight", &pack_q8_weight,
+        "pack_q8_weight(blocks[N, K/32 * bytes] uint8, ggml type) -> packed uint8: 8 rows "
+        "interleaved per block (quant_linear_q8's layout)", nogil);
+  m.def("quant_linear_q8", &quant_linear_q8,
+        "quant_linear_q8(x[..., K] float32, packed, N, ggml type, bias) -> y[..., N] float32: "
+        "quant_linear with x quantised to 8 bits per block of 32 and integer dot products", nogil);
   m.def("rms_norm", &rms_norm, "rms_norm(x[..., D], w[D], eps) -> w * (x * rsqrt(mean(x^2, -1) + eps))", nogil);
   m.def("silu_mul", &silu_mul, "silu_mul(a, b) -> silu(a) * b", nogil);
   m.def("rope", &rope,

@@ -956,6 +956,9 @@ std::string simd_features() {
 #if defined(__AVX512BF16__)
   f += " avx512bf16";
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  f += " avx512vnni";  // quant_dot_cpu.cpp's vpdpbusd (else AVX2's vpmaddubsw + vpmaddwd)
+#endif
 #if LAMINA_AVX512 && defined(__AMX_BF16__) && defined(__AMX_TILE__)
   f += " amx-bf16";  // the linear kernel's bfloat16 path, where the OS grants the tile state
 #endif

@@ -96,11 +96,12 @@ def test_aggregate_takes_the_best_round_and_compares_with_lamina_inproc():
 
 def test_every_engine_is_named_with_its_cores():
     e = peers.engines(cores=(0, 1))
-    assert list(e) == ["lamina-inproc", "lamina-gguf", "lamina-procs", "llamacpp-f32",
-                       "llamacpp-q4_1", "vllm-2cores", "vllm-default"]
+    assert list(e) == ["lamina-inproc", "lamina-gguf", "lamina-gguf-q8", "lamina-procs",
+                       "llamacpp-f32", "llamacpp-q4_1", "vllm-2cores", "vllm-default"]
     assert e["lamina-inproc"]["settings"] == {"placement": "inproc", "device": "cpu:0-1"}
     assert e["lamina-gguf"]["settings"] == {"placement": "inproc", "device": "cpu:0-1",
                                             "kernels": "gguf"}
+    assert e["lamina-gguf-q8"]["settings"]["kernels"] == "gguf-q8"
     assert e["lamina-procs"]["settings"] == {"placement": "procs", "memory": 1, "device": "cpu:0",
                                              "memory_device": "cpu:1"}
     assert e["vllm-2cores"]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}

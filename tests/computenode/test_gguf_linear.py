@@ -8,8 +8,8 @@ import torch
 from torch import fx
 
 from lamina.computenode import cpu_linear
-from lamina.computenode.gguf_linear import (QUANT_ROWS, GGUFLinearError, blocks_for, read_blocks,
-                                            use_gguf_linear)
+from lamina.computenode.gguf_linear import (QUANT_ROWS, GGUFLinearError, blocks_for,
+                                            gguf_q8_linear, read_blocks, use_gguf_linear)
 from lamina.config import KernelConfig, use_kernels
 from lamina.models import ModelLoadError
 from lamina.kernels import cpp_ext
@@ -72,6 +72,30 @@ def test_a_slice_runs_on_the_blocks_or_the_panels(rows):
     torch.testing.assert_close(gm(x).double(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_the_q8_choice_runs_integer_dot_products_on_float32_rows(rows):
+    """``gguf-q8``: float32 calls of any size on the repacked blocks with 8-bit activations
+    (close to the float product, not equal)."""
+    g = torch.Generator().manual_seed(rows)
+    raw = [torch.randn(96, 64, generator=g), torch.randn(40, 96, generator=g)]
+    b1, b2 = _q8(raw[0]), _q8(raw[1])
+    deq = [torch.from_numpy(gguf.quants.dequantize(b.numpy(), gguf.GGMLQuantizationType.Q8_0))
+           .reshape(r.shape) for b, r in zip((b1, b2), raw)]
+    gm = fx.symbolic_trace(_Two(*deq))
+    cpu_linear.use_skinny_linear(gm, pack=True)
+    previous = use_kernels(KernelConfig.named("gguf-q8"))
+    try:
+        assert use_gguf_linear(gm, {"q.weight": (8, b1), "d.weight": (8, b2)}) == 2
+    finally:
+        use_kernels(previous)
+    assert sum(n.target is gguf_q8_linear for n in gm.graph.nodes) == 2
+    x = torch.randn(rows, 64, generator=g)
+    want = torch.nn.functional.linear(torch.nn.functional.linear(x.double(), deq[0].double()),
+                                      deq[1].double(), gm.d.bias.double())
+    err = (gm(x).double() - want).abs().max() / want.abs().max()
+    assert 0 < err < 0.03  # the activations' rounding
+
+
 def test_blocks_that_do_not_fit_are_refused():
     gm = fx.symbolic_trace(_Two(torch.randn(96, 64), torch.randn(40, 96)))
     cpu_linear.use_skinny_linear(gm, pack=True)
@@ -83,6 +107,9 @@ def test_only_the_gguf_choice_reads_blocks_and_only_for_a_gguf_on_cpu():
     previous = use_kernels(KernelConfig())
     try:
         assert blocks_for("smollm2", "cpu") is None
+        use_kernels(KernelConfig.named("gguf-q8"))
+        with pytest.raises(GGUFLinearError, match="CPU"):
+            blocks_for("smollm2", "cuda:0")
         use_kernels(KernelConfig.named("gguf"))
         with pytest.raises(GGUFLinearError, match="CPU"):
             blocks_for("smollm2", "cuda:0")
