@@ -12,7 +12,10 @@ and sits between it and the :class:`~lamina.memnode.server.NodeServer`:
   Python way: the plane answers every ATTEND it can (the same RESULT the Python path computes,
   with the same kernel) and hands back the rest, untouched, in order;
 * :attr:`~NativePlane.lock` is the node's lock: Python holds it while it handles a message,
-  the plane while it serves one.
+  the plane while it serves one;
+* :meth:`MemoryNode.attend` asks :meth:`~NativePlane.attend` first: an ATTEND from tensors
+  (a node in the engine's process, or a message the ring path handed back) runs the same
+  checks, append and kernel in one C++ call.
 
 Used where it builds and applies: a CPU pool (every KV format: the C++ kernel takes them all), the C++ attention
 kernel chosen (``attention`` ``auto`` or ``cpp``), the C++ ring fast path, and the ``plane``
@@ -33,6 +36,7 @@ from lamina.kernels import cpp_ext
 from lamina.kernels.dispatch import backend_for
 from lamina.transport import shm_fast
 from lamina.transport.wire import DEFAULT_LIMITS, MsgKind
+from lamina.types import AttendMsg, AttendResult
 
 if TYPE_CHECKING:
     from lamina.memnode.node import MemoryNode
@@ -102,6 +106,18 @@ class NativePlane:
     def served(self) -> int:
         """ATTENDs served natively so far."""
         return self._plane.served
+
+    def attend(self, msg: AttendMsg) -> AttendResult | None:
+        """``msg`` attended here, from its tensors (:meth:`MemoryNode.attend`'s fast path, the
+        caller holding :attr:`lock` or being the node's only thread): the result the Python path
+        computes, or None where that path must answer (it then computes or raises as usual).
+        A step whose last layer this was is ended by :meth:`MemoryNode.sync`."""
+        a, b = msg.works if msg.works is not None else (-1, -1)
+        r = self._plane.attend(msg.step_id, msg.layer, a, b, msg.q, msg.k, msg.v)
+        if r is None:
+            return None
+        o, lse, t0, t1 = r
+        return AttendResult(step_id=msg.step_id, layer=msg.layer, o=o, lse=lse, span_ns=(t0, t1))
 
     # -- peers and serving (the server's calls) -------------------------------------------------
     def add_peer(self, peer: int, tx: tuple[int, int, int, int, int]) -> None:

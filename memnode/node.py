@@ -124,9 +124,8 @@ class MemoryNode:
         self._attention = None  # the kernel for the pool's device, resolved at the first ATTEND
 
     def sync(self) -> None:
-        """End the steps whose last layer the native plane attended (:attr:`plane`, which
-        serves ATTENDs beside these methods; the caller holds its lock). Every method below
-        sees a node with no finished step left once this ran."""
+        """End the steps whose last layer the native plane attended (:attr:`plane`, which serves
+        ATTENDs beside these methods; the caller holds its lock)."""
         if self.plane is not None:
             for step_id in self.plane.finished():
                 step = self._steps.get(step_id)
@@ -198,6 +197,9 @@ class MemoryNode:
         work). Returns ``o[Tq, H, D]`` (q's dtype) and ``lse[Tq, H]`` (float32) on the
         pool's device; ``lse == -inf`` for queries that see no key here.
         """
+        if self.plane is not None and (fast := self.plane.attend(msg)) is not None:
+            self.sync()  # ends the step if this was its last layer
+            return fast
         t0 = time.perf_counter_ns()
         step = self._steps.get(msg.step_id)
         if step is None:

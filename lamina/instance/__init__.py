@@ -36,6 +36,7 @@ from lamina.instance.inproc import InProcessReplicas
 from lamina.instance.launcher import Launcher
 from lamina.kernels.kv_format import kv_format
 from lamina.memnode import KVPool, MemoryNode
+from lamina.memnode.native import plane_for
 from lamina.models import default_dtype, eos_token_ids, load_model
 from lamina.split_cache import cached_layout, cached_record, load_split, store_record
 from lamina.stages import stage
@@ -203,12 +204,12 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         if cores:  # cores named: this process runs every role, so it owns their union
             own_cores(cores)
         with stage("memory nodes"):
-            nodes: list[NodeClient] = [
-                InProcessNode(MemoryNode(info.specs, cap, slab_size=config.cache.slab_size,
-                                         dtype=info.dtype, kv_dtype=config.cache.kv_dtype,
-                                         device=d.torch),
-                              name=f"memory node {k}")
-                for k, d in enumerate(node_devs)]
+            nodes: list[NodeClient] = []
+            for k, d in enumerate(node_devs):
+                node = MemoryNode(info.specs, cap, slab_size=config.cache.slab_size,
+                                  dtype=info.dtype, kv_dtype=config.cache.kv_dtype, device=d.torch)
+                node.plane = plane_for(node)  # its ATTENDs in one C++ call where it applies
+                nodes.append(InProcessNode(node, name=f"memory node {k}"))
         sampler = Sampler()
         split = info.split  # read here (timed as the split's own stage) when not yet read
         with stage("compute replicas"):

@@ -194,6 +194,49 @@ class AttendPlane {
     });
   }
 
+  // An ATTEND in this process (NativePlane.attend, for MemoryNode.attend): the caller holds
+  // lock() or is the node's only thread. The same checks, K/V append and kernel as serve()'s,
+  // from tensors instead of a ring: (o, lse, t0, t1), or None where Python must answer (it then
+  // computes or raises as usual). a < 0: the works from the layer's next one to the step's end.
+  py::object attend(int64_t step_id, int64_t layer, int64_t a, int64_t b, const at::Tensor& q,
+                    const at::Tensor& k, const at::Tensor& v) {
+    auto it = steps_.find(step_id);
+    auto li_it = layer_index_.find(layer);
+    if (it == steps_.end() || li_it == layer_index_.end()) return py::none();
+    Step& step = it->second;
+    const int64_t li = li_it->second, R = step.works;
+    const int64_t first = step.progress.data_ptr<int64_t>()[li];
+    if (first < 0) return py::none();
+    if (a < 0) a = first, b = R;
+    if (a != first || !((a < b && b <= R) || (a == b && b == R && R == 0))) return py::none();
+    const LayerSpec& sp = specs_[li];
+    const int64_t* qi = step.q_indptr.data_ptr<int64_t>();
+    const int64_t* ai = step.a_indptr.data_ptr<int64_t>();
+    auto is = [](const at::Tensor& x, int64_t n, int64_t h, int64_t dim) {
+      const auto t = x.scalar_type();
+      return x.device().is_cpu() && x.dim() == 3 && x.size(0) == n && x.size(1) == h &&
+             x.size(2) == dim && x.is_contiguous() &&
+             (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+    };
+    const int64_t nq = qi[b] - qi[a], na = ai[b] - ai[a];
+    if (!is(q, nq, sp.heads, sp.dim) || !is(k, na, sp.kv_heads, sp.dim) ||
+        !is(v, na, sp.kv_heads, sp.dim))
+      return py::none();
+    const int64_t t0 = now_ns();
+    at::Tensor o, lse;
+    bool ok;
+    {
+      py::gil_scoped_release nogil;
+      ok = run(step, li, a, b, q, k, v, &o, &lse);
+    }
+    if (!ok) return py::none();
+    advance(it, li, b);
+    const int64_t t1 = now_ns();
+    attend_ns_ += t1 - t0;
+    ++served_;
+    return py::make_tuple(o, lse, t0, t1);
+  }
+
  private:
   // this end (reader) or the peer (writer) closed the ring: back to Python, which raises
   static bool closed(const Ring& rx) {
@@ -237,9 +280,8 @@ class AttendPlane {
     auto li_it = layer_index_.find(hd.layer);
     if (it == steps_.end() || li_it == layer_index_.end()) return false;
     Step& step = it->second;
-    const int64_t li = li_it->second, L = static_cast<int64_t>(specs_.size());
-    int64_t* progress = step.progress.data_ptr<int64_t>();
-    const int64_t first = progress[li], R = step.works;
+    const int64_t li = li_it->second;
+    const int64_t first = step.progress.data_ptr<int64_t>()[li], R = step.works;
     if (first < 0) return false;
     int64_t a = first, b = R;
     if (hd.meta_len) {
@@ -281,14 +323,38 @@ class AttendPlane {
     at::Tensor k = view(rx, at, dk);
     at += align(static_cast<int64_t>(dk.nbytes));
     at::Tensor v = view(rx, at, dv);
+    at::Tensor o, lse;
+    if (!run(step, li, a, b, q, k, v, &o, &lse)) return false;
+    advance(it, li, b);
+    const int64_t t1 = now_ns();
+    attend_ns_ += t1 - t0;
+    ++served_;
+    write_result(out, hd, o, lse, t0, t1);
+    // the ATTEND's bytes are free once its RESULT is out (q/k/v were read in place)
+    *tail = static_cast<int64_t>(t + total);
+    rx.store(kTail, static_cast<uint64_t>(*tail));
+    if (rx.flag_after_fence(kWriterWaits)) ring_bell(space_bell);
+    return true;
+  }
+
+  // MemoryNode.attend for works [a, b) (already checked) of `step` at pool layer li: K/V
+  // appended to the pool (quantised where the format says so), then the kernel over the view of
+  // [a, b). False where Python must answer: no key indices for the layer's window, or the kernel
+  // raised (Python attends again; the K/V written is harmless).
+  bool run(Step& step, int64_t li, int64_t a, int64_t b, const at::Tensor& q, const at::Tensor& k,
+           const at::Tensor& v, at::Tensor* o, at::Tensor* lse) {
+    const LayerSpec& sp = specs_[li];
+    const int64_t R = step.works;
+    const int64_t* qi = step.q_indptr.data_ptr<int64_t>();
+    const int64_t* ai = step.a_indptr.data_ptr<int64_t>();
+    const int64_t qa = qi[a], qb = qi[b], aa = ai[a], ab = ai[b];
     const bool whole = a == 0 && b == R;
     const at::Tensor slots = whole ? step.append_slots : step.append_slots.slice(0, aa, ab);
     const int64_t window = sp.window > 0 ? sp.window : 0;
     auto key = step.kv.find(window);
     if (key == step.kv.end()) return false;
     const KeyIndex& ki = key->second;
-    at::Tensor o, lse;
-    try {  // MemoryNode.attend: pool.store_kv, then paged_attention on the view of [a, b)
+    try {
       c10::optional<at::Tensor> ks, vs;  // this layer's scales (8-bit parts)
       if (ks_.defined()) ks = ks_[li];
       if (vs_.defined()) vs = vs_[li];
@@ -306,30 +372,29 @@ class AttendPlane {
         q_pos = step.q_positions.slice(0, qa, qb);
         kv_start = ki.start_pos.slice(0, a, b);
       }
-      std::tie(o, lse) = kernel_(q, k_[li], v_[li], q_indptr, kv_indptr, kv_indices, q_pos,
-                                 kv_start, sp.scale, window, sp.softcap, ks, vs);
+      std::tie(*o, *lse) = kernel_(q, k_[li], v_[li], q_indptr, kv_indptr, kv_indices, q_pos,
+                                   kv_start, sp.scale, window, sp.softcap, ks, vs);
     } catch (const std::exception&) {
-      return false;  // Python attends again (the K/V written is harmless) and reports it
+      return false;
     }
-    if (b < R) {
-      progress[li] = b;
-    } else {
-      progress[li] = -1;
-      if (--progress[L] == 0) {
-        finished_.push_back(hd.step_id);
-        retired_.push_back(std::move(step));  // released by finished(), with the GIL
-        steps_.erase(it);
-      }
-    }
-    const int64_t t1 = now_ns();
-    attend_ns_ += t1 - t0;
-    ++served_;
-    write_result(out, hd, o, lse, t0, t1);
-    // the ATTEND's bytes are free once its RESULT is out (q/k/v were read in place)
-    *tail = static_cast<int64_t>(t + total);
-    rx.store(kTail, static_cast<uint64_t>(*tail));
-    if (rx.flag_after_fence(kWriterWaits)) ring_bell(space_bell);
     return true;
+  }
+
+  // The step's layer li is attended up to work b; its last layer ends the step (finished()).
+  void advance(std::unordered_map<int64_t, Step>::iterator it, int64_t li, int64_t b) {
+    Step& step = it->second;
+    int64_t* progress = step.progress.data_ptr<int64_t>();
+    const int64_t L = static_cast<int64_t>(specs_.size());
+    if (b < step.works) {
+      progress[li] = b;
+      return;
+    }
+    progress[li] = -1;
+    if (--progress[L] == 0) {
+      finished_.push_back(it->first);
+      retired_.push_back(std::move(step));  // released by finished(), with the GIL
+      steps_.erase(it);
+    }
   }
 
   // RESULT: what codec.to_message(AttendResult) and Writer.send put in the ring.
@@ -415,6 +480,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("remove_peer", &AttendPlane::remove_peer)
       .def("lock", &AttendPlane::lock, nogil)
       .def("unlock", &AttendPlane::unlock)
+      .def("attend", &AttendPlane::attend,
+           "attend(step_id, layer, a, b, q, k, v) -> (o, lse, t0, t1) | None: an ATTEND in "
+           "this process (a < 0: the whole rest of the layer)")
       .def("serve", &AttendPlane::serve,
            "serve(ctl, data, cap, tail_addr, data_bell, space_bell, spin_ns, yield_every, "
            "budget_ns) -> IDLE | HANDOFF")

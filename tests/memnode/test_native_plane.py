@@ -154,6 +154,45 @@ def test_native_replies_are_the_python_paths(native_available, first, pool, qdt,
         twin.close()
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=steps, pool=st.sampled_from([torch.float32, torch.bfloat16, "int8", "k16v8"]),
+       qdt=st.sampled_from([torch.float32, torch.bfloat16]), parts=st.integers(1, 3),
+       seed=st.integers(0, 2 ** 16))
+def test_attend_from_tensors_is_the_python_paths(native_available, first, pool, qdt, parts, seed):
+    """MemoryNode.attend with a plane (a node in the engine's process) takes the plane's
+    tensor entry: the same results byte for byte and the same node state as without one, and
+    every step ends (the plane finished it, Python synced)."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    py, nat = _node(pool), _node(pool)
+    nat.plane = plane_for(nat)
+    served = sent = 0
+    for step_id, works in enumerate((
+            [ShardWork(r, start, n, start, n) for r, start, n in first],
+            [ShardWork(r, start + n, 1, start + n, 1) for r, start, n in first])):
+        for node in (py, nat):
+            node.prepare(PrepareMsg(step_id, works))
+        R = len(works)
+        for li in rng.permutation(len(SPECS)):
+            cuts = sorted(set(rng.integers(1, R, size=parts - 1).tolist())) if R > 1 else []
+            for lo, hi in zip([0] + cuts, cuts + [R]):
+                nq = sum(w.num_q for w in works[lo:hi])
+                na = sum(w.num_append for w in works[lo:hi])
+                msg = AttendMsg(step_id, SPECS[li].layer,
+                                torch.randn(nq, HEADS, DIM, generator=g).to(qdt),
+                                torch.randn(na, KV_HEADS, DIM, generator=g),
+                                torch.randn(na, KV_HEADS, DIM, generator=g),
+                                works=None if (lo, hi) == (0, R) else (lo, hi))
+                before = nat.plane.served
+                want, got = py.attend(msg), nat.attend(msg)
+                served, sent = served + nat.plane.served - before, sent + 1
+                for x, y in ((want.o, got.o), (want.lse, got.lse)):
+                    assert x.dtype == y.dtype and x.view(torch.uint8).equal(y.view(torch.uint8))
+        assert nat.in_flight == py.in_flight == []
+        _equal_state(py, nat)
+    assert served == sent > 0  # every ATTEND took the plane's entry
+
+
 def test_what_the_plane_does_not_take_stays_for_python(native_available):
     """Unknown steps and layers, a layer attended twice, works that do not continue the layer,
     wrong shapes, an unknown reply peer, other kinds, a corrupt header: the plane leaves each in
