@@ -11,6 +11,7 @@ outputs differ from the float32 model's by float rounding only (the order of the
   names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; the token
   embedding also stands for a tied ``lm_head.weight``) and undoes llama.cpp's row permutation
   of the query and key weights (the rotary layout), as transformers does for the floats.
+* Q4_K weights run under ``gguf-q8`` only; under ``gguf`` they stay on the float32 panels.
 * :func:`use_gguf_linear` points each packed linear node (:func:`~lamina.computenode.cpu_linear.
   use_skinny_linear`) whose weight has blocks at :func:`gguf_linear`: calls of up to
   :data:`QUANT_ROWS` rows run on the blocks, larger ones on the float32 panels, as before.
@@ -35,8 +36,9 @@ from lamina.computenode.fast_ops import constant
 from lamina.config import GGUF_KERNELS, kernels_in_use
 from lamina.kernels import cpp_ext
 
-SUPPORTED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type -> name (quant_linear's kinds)
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # bytes per block of 32 weights, per ggml type
+SUPPORTED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K"}  # ggml type -> name
+EXACT = (2, 3, 8)  # the types quant_linear (the exact ``gguf`` kernel) reads; Q4_K: gguf-q8 only
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 18}  # bytes per 32 weights (Q4_K: 144 per 256)
 QUANT_ROWS = 4  # up to this many rows the blocks beat the float32 panels (bench/linear.py)
 _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -158,6 +160,8 @@ def use_gguf_linear(gm: fx.GraphModule, blocks: dict[str, tuple[int, torch.Tenso
         if weight is None or name is None or weight.dtype != torch.float32:
             continue
         kind, b = blocks[name]
+        if not q8 and kind not in EXACT:
+            continue  # stays on the float32 panels: exact, as the gguf choice promises
         N, K = weight.shape
         if b.shape[0] != N or b.shape[1] != K // 32 * BLOCK_BYTES[kind]:
             raise GGUFLinearError(f"{name}: blocks {tuple(b.shape)} do not fit weight {N}x{K}")

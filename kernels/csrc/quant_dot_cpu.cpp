@@ -11,6 +11,8 @@
 //   Q4_0  w = dw * (u - 8)      sum_j w_j x_j ~= dw * d * sum_j u_j q_j - 8 * dw * s
 //   Q4_1  w = dw * u + m        sum_j w_j x_j ~= dw * d * sum_j u_j q_j + m * s
 //   Q8_0  w = dw * v (signed)   sum_j w_j x_j ~= dw * d * sum_j |v_j| * (sign(v_j) q_j)
+//   Q4_K  w = ds * u - dm       (per 32 of a super-block of 256: ds = d * sc, dm = dmin * m)
+//                               sum_j w_j x_j ~= ds * d * sum_j u_j q_j - dm * s
 //
 // (u: the 4-bit quants, 0..15; v: int8; |v| <= 128 and |q| <= 127 keep vpmaddubsw's int16 pair
 // sums from saturating). The integer sums are exact; rounding x to 8 bits is the cost in
@@ -48,9 +50,10 @@ int64_t block_bytes(int64_t kind) {
     case 2: return 18;
     case 3: return 20;
     case 8: return 34;
+    case 12: return 18;  // Q4_K: 144 bytes per super-block of 256
   }
   TORCH_CHECK(false, "quant_linear_q8: ggml type ", kind, " is not supported (Q4_0 = 2, "
-              "Q4_1 = 3, Q8_0 = 8)");
+              "Q4_1 = 3, Q8_0 = 8, Q4_K = 12)");
   return 0;
 }
 
@@ -94,15 +97,33 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
 //   Q8_0 quants:        8 chunks of 32 bytes; byte p of chunk g: row p / 4, weight 4g + p % 4
 constexpr int kNR = 8;
 
-int64_t packed_bytes(int64_t kind) {
-  return kind == 8 ? 16 + 256 : kind == 3 ? 32 + 128 : 16 + 128;
+constexpr int64_t packed_bytes(int64_t kind) {
+  return kind == 8 ? 16 + 256 : kind == 3 ? 32 + 128 : kind == 12 ? 64 + 128 : 16 + 128;
 }
 
-// Quant j of a block in the file's layout (Q4: 0..15; Q8_0: -128..127).
-inline int quant(const uint8_t* b, int64_t kind, int j) {
+// Quant j of block kb (32 weights) of a row in the file's layout (Q4: 0..15; Q8_0: -128..127).
+// Q4_K: super-block kb / 8 (d, dmin half; 12 bytes of 6-bit scales and minimums; 128 bytes of
+// quants, 32 per pair of blocks: the even block in the low nibbles, the odd one in the high).
+inline int quant(const uint8_t* row, int64_t kind, int64_t kb, int j) {
+  if (kind == 12) {
+    const uint8_t* qs = row + (kb / 8) * 144 + 16 + 32 * ((kb % 8) / 2);
+    return (qs[j] >> (4 * (kb % 2))) & 0x0F;
+  }
+  const uint8_t* b = row + kb * block_bytes(kind);
   if (kind == 8) return static_cast<int8_t>(b[2 + j]);
   const uint8_t* qs = b + (kind == 3 ? 4 : 2);
   return j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
+}
+
+// Q4_K block kb's scale d * sc and offset -dmin * m (gguf-py's float32 products).
+inline void q4k_scales(const uint8_t* row, int64_t kb, float* d, float* c) {
+  const uint8_t* sb = row + (kb / 8) * 144;
+  const uint8_t* s = sb + 4;
+  const int j = static_cast<int>(kb % 8);
+  const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+  const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  *d = half(sb) * static_cast<float>(sc);
+  *c = -(half(sb + 2) * static_cast<float>(m));
 }
 
 #if defined(__AVX2__)
@@ -128,14 +149,15 @@ template <int KIND, int MR>
 inline void group_dot(const int8_t* xq, const float* xd, const float* xs, int64_t K,
                       const uint8_t* wg, int64_t KB, float* y, int64_t ldy, const float* bias,
                       int valid) {
-  constexpr int64_t PB = KIND == 8 ? 16 + 256 : KIND == 3 ? 32 + 128 : 16 + 128;
+  constexpr int64_t PB = packed_bytes(KIND);
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* p = wg + kb * PB;
     _mm_prefetch(reinterpret_cast<const char*>(p) + 4 * PB, _MM_HINT_T0);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const uint8_t* qs = p + (KIND == 3 ? 32 : 16);
+    const __m256 dw = KIND == 12 ? _mm256_loadu_ps(reinterpret_cast<const float*>(p))
+                                 : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const uint8_t* qs = p + (KIND == 12 ? 64 : KIND == 3 ? 32 : 16);
     __m256i dot[MR];
     for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
     if (KIND == 8) {
@@ -158,9 +180,10 @@ inline void group_dot(const int8_t* xq, const float* xd, const float* xs, int64_
         }
       }
     }
-    // Q4_1: + m * s; Q4_0: - 8 dw * s (the quants' offset of 8)
-    const __m256 c = KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
-                               : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+    // Q4_1: + m * s; Q4_K: - dmin * m * s; Q4_0: - 8 dw * s (the quants' offset of 8)
+    const __m256 c = KIND == 12 ? _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32))
+                     : KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                                 : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
     for (int m = 0; m < MR; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
                                _mm256_mul_ps(dw, _mm256_set1_ps(xd[m * KB + kb])), acc[m]);
@@ -182,10 +205,16 @@ inline void group_dot(const int8_t* xq, const float* xd, const float* xs, int64_
   float acc[MR][kNR] = {};
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* p = wg + kb * PB;
-    const uint8_t* qs = p + (KIND == 3 ? 32 : 16);
+    const uint8_t* qs = p + (KIND == 12 ? 64 : KIND == 3 ? 32 : 16);
     for (int i = 0; i < kNR; ++i) {
-      const float dw = half(p + 2 * i);
-      const float c = KIND == 3 ? half(p + 16 + 2 * i) : -8.f * dw;
+      float dw, c;
+      if (KIND == 12) {
+        std::memcpy(&dw, p + 4 * i, 4);
+        std::memcpy(&c, p + 32 + 4 * i, 4);
+      } else {
+        dw = half(p + 2 * i);
+        c = KIND == 3 ? half(p + 16 + 2 * i) : -8.f * dw;
+      }
       for (int m = 0; m < MR; ++m) {
         const int8_t* xb = xq + m * K + kb * kQK;
         int dot = 0;
@@ -264,8 +293,9 @@ at::Tensor pack_q8_weight(const at::Tensor& blocks, int64_t kind) {
               blocks.is_contiguous(),
               "pack_q8_weight: blocks must be contiguous uint8 [N, K / 32 * block bytes]");
   const int64_t bb = block_bytes(kind), pb = packed_bytes(kind);
-  TORCH_CHECK(blocks.size(1) % bb == 0, "pack_q8_weight: rows of ", blocks.size(1),
-              " bytes are not whole blocks of ", bb);
+  const int64_t unit = kind == 12 ? 144 : bb;  // Q4_K: whole super-blocks of 256 weights
+  TORCH_CHECK(blocks.size(1) % unit == 0, "pack_q8_weight: rows of ", blocks.size(1),
+              " bytes are not whole blocks of ", unit);
   const int64_t N = blocks.size(0), KB = blocks.size(1) / bb, groups = (N + kNR - 1) / kNR;
   at::Tensor packed = at::zeros({groups, KB * pb}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
@@ -273,14 +303,22 @@ at::Tensor pack_q8_weight(const at::Tensor& blocks, int64_t kind) {
   for (int64_t n = 0; n < N; ++n) {
     const int64_t g = n / kNR, i = n % kNR;
     for (int64_t kb = 0; kb < KB; ++kb) {
-      const uint8_t* b = src + n * KB * bb + kb * bb;
+      const uint8_t* row = src + n * KB * bb;
       uint8_t* p = dst + g * KB * pb + kb * pb;
-      std::memcpy(p + 2 * i, b, 2);                     // d
-      if (kind == 3) std::memcpy(p + 16 + 2 * i, b + 2, 2);  // m
-      uint8_t* qs = p + (kind == 3 ? 32 : 16);
+      if (kind == 12) {  // float32 d * sc and -dmin * m
+        float d, c;
+        q4k_scales(row, kb, &d, &c);
+        std::memcpy(p + 4 * i, &d, 4);
+        std::memcpy(p + 32 + 4 * i, &c, 4);
+      } else {
+        const uint8_t* b = row + kb * bb;
+        std::memcpy(p + 2 * i, b, 2);                          // d
+        if (kind == 3) std::memcpy(p + 16 + 2 * i, b + 2, 2);  // m
+      }
+      uint8_t* qs = p + (kind == 12 ? 64 : kind == 3 ? 32 : 16);
       for (int j = 0; j < kQK; ++j) {
         const int chunk = j / 4, byte = 4 * static_cast<int>(i) + j % 4;
-        const int q = quant(b, kind, j);
+        const int q = quant(row, kind, kb, j);
         if (kind == 8) qs[32 * chunk + byte] = static_cast<uint8_t>(q);
         else if (chunk < 4) qs[32 * chunk + byte] |= static_cast<uint8_t>(q);
         else qs[32 * (chunk - 4) + byte] |= static_cast<uint8_t>(q << 4);
@@ -323,6 +361,7 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_
   if (M > 0 && N > 0) {
     if (kind == 2) run<2>(qp, dp, sp, M, K, wp, N, bp, yp);
     else if (kind == 3) run<3>(qp, dp, sp, M, K, wp, N, bp, yp);
+    else if (kind == 12) run<12>(qp, dp, sp, M, K, wp, N, bp, yp);
     else run<8>(qp, dp, sp, M, K, wp, N, bp, yp);
   }
   return y.view(shape);

@@ -96,6 +96,35 @@ def test_the_q8_choice_runs_integer_dot_products_on_float32_rows(rows):
     assert 0 < err < 0.03  # the activations' rounding
 
 
+@pytest.mark.parametrize("choice", ["gguf", "gguf-q8"])
+def test_q4_k_runs_on_its_blocks_with_q8_only(choice):
+    """Q4_K (super-blocks of 256): ``gguf-q8`` multiplies its blocks; the exact ``gguf`` choice
+    has no Q4_K kernel and leaves the layer on the float32 panels (still exact)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+    from test_quant_dot import blocks_of
+
+    b1, w1 = blocks_of(12, 96, 256, 5)
+    raw2 = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
+    b2 = _q8(raw2)
+    w2 = torch.from_numpy(gguf.quants.dequantize(b2.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                          ).reshape(raw2.shape)
+    gm = fx.symbolic_trace(_Two(w1.float(), w2))
+    cpu_linear.use_skinny_linear(gm, pack=True)
+    previous = use_kernels(KernelConfig.named(choice))
+    try:
+        n = use_gguf_linear(gm, {"q.weight": (12, torch.from_numpy(b1)), "d.weight": (8, b2)})
+    finally:
+        use_kernels(previous)
+    assert n == (2 if choice == "gguf-q8" else 1)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    want = torch.nn.functional.linear(torch.nn.functional.linear(x.double(), w1),
+                                      w2.double(), gm.d.bias.double())
+    err = (gm(x).double() - want).abs().max() / want.abs().max()
+    assert err < (0.03 if choice == "gguf-q8" else 1e-5)
+
+
 def test_blocks_that_do_not_fit_are_refused():
     gm = fx.symbolic_trace(_Two(torch.randn(96, 64), torch.randn(40, 96)))
     cpu_linear.use_skinny_linear(gm, pack=True)

@@ -189,10 +189,13 @@ def test_narrower_simd_paths(flags, path):
     blocks = torch.randint(0, 256, (70, 96 // 32 * 20), dtype=torch.uint8, generator=g)
     blocks[:, 0::20], blocks[:, 1::20] = 0, 0x20  # Q4_1 scales d = 2^-7 ...
     blocks[:, 2::20], blocks[:, 3::20] = 0, 0xA0  # ... and minimums m = -2^-7
+    q4_k = torch.randint(0, 256, (70, 144), dtype=torch.uint8, generator=g)  # one super-block
+    q4_k[:, 1], q4_k[:, 3] = 0x20, 0x20  # d = dmin = 2^-7 (low bytes random)
     native = cpp_ext.load()  # integer dot products (VNNI / maddubs / plain loops) agree
-    y = ext.quant_linear_q8(x, ext.pack_q8_weight(blocks, 3), 70, 3, None)
-    want = native.quant_linear_q8(x, native.pack_q8_weight(blocks, 3), 70, 3, None)
-    assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
+    for kind, blocks, x in ((3, blocks, x), (12, q4_k, torch.randn(5, 256, generator=g))):
+        y = ext.quant_linear_q8(x, ext.pack_q8_weight(blocks, kind), 70, kind, None)
+        want = native.quant_linear_q8(x, native.pack_q8_weight(blocks, kind), 70, kind, None)
+        assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_lock_left_by_a_dead_builder_does_not_hang_loads():

@@ -24,6 +24,23 @@ def q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return q.reshape(M, K), d, d * q.sum(-1).float()
 
 
+def blocks_of(kind: int, N: int, K: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Random blocks of ggml type ``kind`` (Q4_K too: super-blocks of 256) and gguf-py's
+    dequantisation of them, float64 [N, K]."""
+    if kind != 12:
+        blocks = random_blocks(kind, N, K, seed)
+        return blocks, dequantized(blocks, kind, N, K).double()
+    rng = np.random.default_rng(seed)
+    nb = N * K // 256
+    blocks = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)  # scales, minimums, quants
+    blocks[:, 0:2] = (rng.standard_normal(nb) * 0.002).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    blocks[:, 2:4] = (np.abs(rng.standard_normal(nb)) * 0.002).astype(np.float16).view(
+        np.uint8).reshape(nb, 2)
+    blocks = blocks.reshape(N, -1)
+    w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(N, K)
+    return blocks, torch.from_numpy(np.ascontiguousarray(w)).double()
+
+
 def linear_q8(ext, x, blocks: np.ndarray, kind: int, bias=None) -> torch.Tensor:
     b = torch.from_numpy(blocks)
     return ext.quant_linear_q8(x, ext.pack_q8_weight(b, kind), b.shape[0], kind, bias)
@@ -40,15 +57,15 @@ def test_activations_are_rounded_as_ggml_q8_1():
     assert q.abs().max() <= 127 and d[1, 1] == 0 and torch.all(q[1, 32:64] == 0)
 
 
-@pytest.mark.parametrize("kind", [2, 3, 8])
+@pytest.mark.parametrize("kind", [2, 3, 8, 12])
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 16])
 def test_products_match_float64_over_the_rounded_activations(kind, M):
     """Exact integer sums, float32 scaling: equal to float64 over (dequantised weights) x
-    (dequantised Q8_1 activations) to float rounding. N = 203 leaves a partial row group."""
+    (dequantised Q8_1 activations) to float rounding, for Q4_0, Q4_1, Q8_0 and Q4_K. N = 203
+    leaves a partial row group."""
     ext = cpp_ext.load()
-    N, K = 203, 576
-    blocks = random_blocks(kind, N, K, 30 + kind)
-    w = dequantized(blocks, kind, N, K).double()
+    N, K = 203, 768
+    blocks, w = blocks_of(kind, N, K, 30 + kind)
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, 2 * K, generator=g)[:, ::2]  # a strided x
     bias = torch.randn(N, generator=g)
@@ -92,7 +109,9 @@ def test_bad_shapes_and_kinds_are_clear_errors():
     ext = cpp_ext.load()
     b = torch.from_numpy(random_blocks(8, 16, 64, 0))
     with pytest.raises(RuntimeError, match="not supported"):
-        ext.pack_q8_weight(b, 12)
+        ext.pack_q8_weight(b, 14)
+    with pytest.raises(RuntimeError, match="whole blocks of 144"):
+        ext.pack_q8_weight(b, 12)  # Q4_K rows are whole super-blocks
     packed = ext.pack_q8_weight(b, 8)
     with pytest.raises(RuntimeError, match="inputs"):
         ext.quant_linear_q8(torch.randn(1, 96), packed, 16, 8, None)
