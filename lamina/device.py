@@ -170,7 +170,8 @@ def _ranges(cores: tuple[int, ...]) -> str:
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page (x86-64, arm64 with 4 KB base pages)
 
 
-def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now") -> torch.Tensor:
+def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now",
+                    advise: bool = True) -> torch.Tensor:
     """Zeros on the CPU in memory the kernel backs with transparent huge pages where it allows
     (THP in ``madvise`` mode needs this advice; ``always`` gives them anyway; ``never``: 4 KB
     pages as before): for memory a role streams through every step. A KV pool read at random
@@ -181,7 +182,9 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now
     ``torch.zeros`` (which this falls back to below one huge page or where the advice is
     refused); ``background``: a thread faults the pages in without writing them
     (:func:`populate`), so the caller goes on at once and may use the memory meanwhile; ``lazy``:
-    each page on its first use (for memory the caller writes whole right away)."""
+    each page on its first use (for memory the caller writes whole right away). ``advise=False``:
+    the same mapping without the huge-page advice, for the caller to give it once written
+    (:func:`advise_huge_pages`)."""
     if commit not in ("now", "background", "lazy"):
         raise ValueError(f"commit must be now, background or lazy; got {commit!r}")
     numel = math.prod(int(n) for n in shape)
@@ -190,7 +193,8 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now
         return torch.zeros(tuple(shape), dtype=dtype)
     try:
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf.madvise(mmap.MADV_HUGEPAGE)
+        if advise:
+            buf.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError):
         return torch.zeros(tuple(shape), dtype=dtype)
     out = torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))  # holds buf
@@ -213,3 +217,19 @@ def populate(t: torch.Tensor) -> bool:
     addr, n = t.data_ptr(), t.numel() * t.element_size()
     return libc.madvise(ctypes.c_void_p(addr - addr % mmap.PAGESIZE),
                         ctypes.c_size_t(n + addr % mmap.PAGESIZE), MADV_POPULATE_WRITE) == 0
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Advise the whole huge pages inside CPU tensor ``t`` for transparent huge pages, after
+    the caller wrote it with 4 KB pages: khugepaged then collapses them in the background (with
+    its defaults ~16 MB every 10 s), where a fault in an advised region may compact memory
+    synchronously (seconds for a few hundred MB on a host whose free memory is fragmented).
+    False where the kernel refuses or ``t`` spans no whole huge page."""
+    addr, n = t.data_ptr(), t.numel() * t.element_size()
+    start = -(-addr // HUGE_PAGE) * HUGE_PAGE
+    end = (addr + n) // HUGE_PAGE * HUGE_PAGE
+    if end <= start or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                        mmap.MADV_HUGEPAGE) == 0

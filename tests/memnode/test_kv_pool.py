@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.device import HUGE_PAGE, huge_page_zeros, populate
+from lamina.device import HUGE_PAGE, advise_huge_pages, huge_page_zeros, populate
 from lamina.memnode.kv_pool import KVPool, available_memory
 
 
@@ -109,6 +109,21 @@ def test_huge_page_zeros_is_zeroed_writable_and_huge_page_eligible(dtype, commit
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this host has no transparent huge pages")
     assert _thp_eligible(t.data_ptr()) is not False  # advised (or THP always on)
+
+
+def test_advice_can_come_after_the_writes():
+    """``advise=False`` maps without the huge-page advice (writes fault 4 KB pages, no
+    compaction); :func:`advise_huge_pages` gives it afterwards, contents kept."""
+    t = huge_page_zeros((4 * HUGE_PAGE // 4,), torch.float32, "lazy", advise=False)
+    t.fill_(2.0)
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[madvise]" not in mode.read_text():
+        pytest.skip("huge pages here do not depend on the advice")
+    inside = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first whole huge page
+    assert _thp_eligible(inside) is False
+    assert advise_huge_pages(t)
+    assert _thp_eligible(inside) is not False and float(t.sum()) == 2.0 * t.numel()
+    assert not advise_huge_pages(t[:10])  # no whole huge page inside
 
 
 def test_populate_faults_pages_in_without_writing_them():
