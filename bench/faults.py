@@ -1,7 +1,8 @@
 """Faults under load: a mixed trace while a memory node (or the compute replica) is killed
 (SIGKILL) every N seconds of serving, against the same trace unfaulted, in one run (issue 20).
 
-One ``LLM(model, memory=M, placement="procs")`` (every role a process) serves a seeded
+One ``LLM(model, memory=M, placement="procs", prefix_caching=False)`` (every role a process;
+no prefix cache, which would carry the first run's KV into the second) serves a seeded
 ``mixed`` trace (lamina.benchmark.workloads; all requests submitted together, greedy, lengths
 scaled by ``--scale``) twice: first unfaulted (the baseline), then while a killer thread waits
 ``--kill-every`` seconds after the instance last (re)started serving and kills one of its
@@ -121,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args(argv)
-    with LLM(a.model, memory=a.memory, placement="procs", spare=a.spare) as llm:
+    # one instance serves both runs: with the prefix cache on, the faulted run would reuse the
+    # baseline's KV (and finish before the first kill), so it is off here
+    with LLM(a.model, memory=a.memory, placement="procs", spare=a.spare,
+             prefix_caching=False) as llm:
         vocab = llm.deployment.instances[0].engine.vocab_size or 2
         trace = synthetic_trace("mixed", a.requests, math.inf, vocab, seed=a.seed, scale=a.scale,
                                 max_context=1024)
