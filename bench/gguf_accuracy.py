@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -35,11 +34,10 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from lamina import LLM, SamplingParams  # noqa: E402  (before torch work: the OpenMP policy)
 from lamina.computenode.gguf_linear import read_blocks  # noqa: E402
 from lamina.kernels import cpp_ext  # noqa: E402
 from lamina.models import gguf_file, load_model  # noqa: E402
-from kv_accuracy import PROMPTS, TEXT  # noqa: E402
+from kv_accuracy import PROMPTS, TEXT, compare, greedy  # noqa: E402
 
 KERNELS = ("auto", "gguf", "gguf-q8")  # auto: the float32 model (the reference)
 
@@ -81,13 +79,6 @@ def nll(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, torch.Tensor]
     return torch.nn.functional.cross_entropy(logits, ids[1:]).item(), logits.argmax(-1)
 
 
-def greedy(model: str, kernels: str, prompts: list[list[int]], max_tokens: int) -> list:
-    with LLM(model, memory=1, kernels=kernels) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                    ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -110,17 +101,11 @@ def main(argv: list[str] | None = None) -> None:
         n, top1 = nll(loaded.model, ids)
         for mod, child, lin in undo:
             setattr(mod, child, lin)
-        out = greedy(model, k, chats, a.max_tokens)
+        out = greedy(model, chats, a.max_tokens, kernels=k)
         rows.append(dict(kernels=k, layers=len(undo), nll=n, top1=top1, out=out))
         print(f"{k}: NLL {n:.4f}, {len(undo)} layers on blocks ({time.perf_counter() - t0:.0f} s)",
               flush=True)
-    base = rows[0]
-    for r in rows:
-        same = [sum(x == y for x, y in zip(o, b)) / max(1, len(b))
-                for o, b in zip(r["out"], base["out"])]
-        r.update(nll_rel=r["nll"] / base["nll"] - 1, ppl=math.exp(r["nll"]),
-                 top1_agreement=(r["top1"] == base["top1"]).float().mean().item(),
-                 agreement=sum(same) / len(same), identical=sum(s == 1.0 for s in same))
+    compare(rows)
     md = ["# GGUF linear kernels: accuracy against the float model (bench/gguf_accuracy.py)", "",
           f"{model} (Q4_1 layers, Q8_0 embedding and tied head) against its float32 "
           f"dequantisation; NLL: teacher-forced over `bench/data/kv_accuracy.txt` ({len(ids)} "

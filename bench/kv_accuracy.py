@@ -79,11 +79,26 @@ def nll(model: torch.nn.Module, ids: torch.Tensor, kv_dtype: str) -> tuple[float
     return torch.nn.functional.cross_entropy(logits, ids[1:]).item(), logits.argmax(-1)
 
 
-def greedy(model: str, kv_dtype: str, prompts: list[list[int]], max_tokens: int) -> list:
-    with LLM(model, memory=1, kv_dtype=kv_dtype) as llm:
+def greedy(model: str, prompts: list[list[int]], max_tokens: int, **settings) -> list:
+    """Greedy outputs of ``prompts`` through ``LLM(model, memory=1, **settings)`` (EOS
+    ignored)."""
+    with LLM(model, memory=1, **settings) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                     ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def compare(rows: list[dict]) -> None:
+    """Each row (``nll``, ``top1`` argmax per position, ``out`` greedy outputs) against the
+    first: adds ``nll_rel``, ``ppl``, ``top1_agreement``, ``agreement`` (generated tokens
+    equal position by position, mean over outputs) and ``identical`` (whole outputs equal)."""
+    base = rows[0]
+    for r in rows:
+        same = [sum(x == y for x, y in zip(o, b)) / max(1, len(b))
+                for o, b in zip(r["out"], base["out"])]
+        r.update(nll_rel=r["nll"] / base["nll"] - 1, ppl=math.exp(r["nll"]),
+                 top1_agreement=(r["top1"] == base["top1"]).float().mean().item(),
+                 agreement=sum(same) / len(same), identical=sum(s == 1.0 for s in same))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,16 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     for f in formats:
         t0 = time.perf_counter()
         n, top1 = nll(loaded.model, ids, f)
-        out = greedy(a.model, f, chats, a.max_tokens)
+        out = greedy(a.model, chats, a.max_tokens, kv_dtype=f)
         rows.append(dict(format=f, nll=n, top1=top1, out=out, s=time.perf_counter() - t0))
         print(f"{f}: NLL {n:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    base = rows[0]
-    for r in rows:
-        same = [sum(x == y for x, y in zip(o, b)) / max(1, len(b))
-                for o, b in zip(r["out"], base["out"])]
-        r.update(nll_rel=r["nll"] / base["nll"] - 1, ppl=math.exp(r["nll"]),
-                 top1_agreement=(r["top1"] == base["top1"]).float().mean().item(),
-                 agreement=sum(same) / len(same), identical=sum(s == 1.0 for s in same))
+    compare(rows)
     md = ["# KV formats: accuracy against float32 KV (bench/kv_accuracy.py)", "",
           f"{a.model} in float32; NLL: teacher-forced over `bench/data/kv_accuracy.txt` "
           f"({len(ids)} tokens); agreement: {len(chats)} chat prompts x {a.max_tokens} greedy "

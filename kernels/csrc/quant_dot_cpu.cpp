@@ -40,6 +40,8 @@
 #include <immintrin.h>
 #endif
 
+#include "ggml_blocks.h"
+
 namespace {
 
 constexpr int64_t kQK = 32;  // weights per block
@@ -57,15 +59,7 @@ int64_t block_bytes(int64_t kind) {
   return 0;
 }
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
+using lamina_ggml::half;
 
 // One row of x (K values) as K/32 blocks: q (int8), d, s.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ggml_blocks.h"
 #include "simd.h"
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -51,15 +52,7 @@ int64_t block_bytes(int64_t kind) {
   return 0;
 }
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
+using lamina_ggml::half;
 
 // The 32 weights of one block as gguf-py computes them (the oracle of the vector paths).
 template <int KIND>

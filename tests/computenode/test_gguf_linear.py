@@ -56,20 +56,29 @@ def _q8(w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
 
 
-@pytest.mark.parametrize("rows", [1, QUANT_ROWS, QUANT_ROWS + 3])
-def test_a_slice_runs_on_the_blocks_or_the_panels(rows):
-    g = torch.Generator().manual_seed(rows)
+def _two_q8_layers(g: torch.Generator):
+    """A packed :class:`_Two` slice whose weights are Q8_0 blocks' dequantisation: ``(gm,
+    blocks by name, the float64 reference of gm(x))``."""
     raw = [torch.randn(96, 64, generator=g), torch.randn(40, 96, generator=g)]
     b1, b2 = _q8(raw[0]), _q8(raw[1])
     deq = [torch.from_numpy(gguf.quants.dequantize(b.numpy(), gguf.GGMLQuantizationType.Q8_0))
            .reshape(r.shape) for b, r in zip((b1, b2), raw)]
     gm = fx.symbolic_trace(_Two(*deq))
     assert cpu_linear.use_skinny_linear(gm, pack=True) == 2
-    assert use_gguf_linear(gm, {"q.weight": (8, b1), "d.weight": (8, b2)}) == 2
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.nn.functional.linear(
+            x.double(), deq[0].double()), deq[1].double(), gm.d.bias.double())
+    return gm, {"q.weight": (8, b1), "d.weight": (8, b2)}, reference
+
+
+@pytest.mark.parametrize("rows", [1, QUANT_ROWS, QUANT_ROWS + 3])
+def test_a_slice_runs_on_the_blocks_or_the_panels(rows):
+    g = torch.Generator().manual_seed(rows)
+    gm, blocks, reference = _two_q8_layers(g)
+    assert use_gguf_linear(gm, blocks) == 2
     x = torch.randn(rows, 64, generator=g)
-    want = torch.nn.functional.linear(torch.nn.functional.linear(x.double(), deq[0].double()),
-                                      deq[1].double(), gm.d.bias.double())
-    torch.testing.assert_close(gm(x).double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gm(x).double(), reference(x), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
@@ -77,21 +86,15 @@ def test_the_q8_choice_runs_integer_dot_products_on_float32_rows(rows):
     """``gguf-q8``: float32 calls of any size on the repacked blocks with 8-bit activations
     (close to the float product, not equal)."""
     g = torch.Generator().manual_seed(rows)
-    raw = [torch.randn(96, 64, generator=g), torch.randn(40, 96, generator=g)]
-    b1, b2 = _q8(raw[0]), _q8(raw[1])
-    deq = [torch.from_numpy(gguf.quants.dequantize(b.numpy(), gguf.GGMLQuantizationType.Q8_0))
-           .reshape(r.shape) for b, r in zip((b1, b2), raw)]
-    gm = fx.symbolic_trace(_Two(*deq))
-    cpu_linear.use_skinny_linear(gm, pack=True)
+    gm, blocks, reference = _two_q8_layers(g)
     previous = use_kernels(KernelConfig.named("gguf-q8"))
     try:
-        assert use_gguf_linear(gm, {"q.weight": (8, b1), "d.weight": (8, b2)}) == 2
+        assert use_gguf_linear(gm, blocks) == 2
     finally:
         use_kernels(previous)
     assert sum(n.target is gguf_q8_linear for n in gm.graph.nodes) == 2
     x = torch.randn(rows, 64, generator=g)
-    want = torch.nn.functional.linear(torch.nn.functional.linear(x.double(), deq[0].double()),
-                                      deq[1].double(), gm.d.bias.double())
+    want = reference(x)
     err = (gm(x).double() - want).abs().max() / want.abs().max()
     assert 0 < err < 0.03  # the activations' rounding
 

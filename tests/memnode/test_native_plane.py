@@ -107,6 +107,30 @@ def _equal_state(a: MemoryNode, b: MemoryNode) -> None:
     assert all(x is y is None or torch.equal(x, y) for x, y in zip(sa[6], sb[6]))
 
 
+def _random_steps(first, parts: int, qdt: torch.dtype, seed: int, reply_to: int = 0):
+    """Two steps of the requests ``first`` (``(req, start, n)``: a prefill of n positions, then
+    one more token each), layers in a random order, each split into up to ``parts`` random
+    mini-batches: yields each step's PrepareMsg, then its AttendMsgs, then None."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    for step_id, works in enumerate((
+            [ShardWork(r, start, n, start, n) for r, start, n in first],
+            [ShardWork(r, start + n, 1, start + n, 1) for r, start, n in first])):
+        yield PrepareMsg(step_id, works)
+        R = len(works)
+        for li in rng.permutation(len(SPECS)):
+            cuts = sorted(set(rng.integers(1, R, size=parts - 1).tolist())) if R > 1 else []
+            for lo, hi in zip([0] + cuts, cuts + [R]):
+                nq = sum(w.num_q for w in works[lo:hi])
+                na = sum(w.num_append for w in works[lo:hi])
+                yield AttendMsg(step_id, SPECS[li].layer,
+                                torch.randn(nq, HEADS, DIM, generator=g).to(qdt),
+                                torch.randn(na, KV_HEADS, DIM, generator=g),
+                                torch.randn(na, KV_HEADS, DIM, generator=g), reply_to=reply_to,
+                                works=None if (lo, hi) == (0, R) else (lo, hi))
+        yield None
+
+
 steps = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(1, 6)),
                  min_size=1, max_size=4, unique_by=lambda t: t[0])
 
@@ -119,35 +143,20 @@ steps = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(1, 
 def test_native_replies_are_the_python_paths(native_available, first, pool, qdt, parts, seed):
     """Two steps (a prefill, then one more token each) of random requests, layers in a random
     order, each split into random mini-batches: every reply and the node state match."""
-    g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
     twin = Twin(pool)
     try:
         served = 0
-        ends = {}
-        for step_id, works in enumerate((
-                [ShardWork(r, start, n, start, n) for r, start, n in first],
-                [ShardWork(r, start + n, 1, start + n, 1) for r, start, n in first])):
-            prep = codec.to_message(PrepareMsg(step_id, works))
-            a, b, _ = twin.both(prep)
-            assert _same(a, b)
-            R = len(works)
-            for li in rng.permutation(len(SPECS)):
-                cuts = sorted(set(rng.integers(1, R, size=parts - 1).tolist())) if R > 1 else []
-                for lo, hi in zip([0] + cuts, cuts + [R]):
-                    nq = sum(w.num_q for w in works[lo:hi])
-                    na = sum(w.num_append for w in works[lo:hi])
-                    msg = codec.to_message(AttendMsg(
-                        step_id, SPECS[li].layer, torch.randn(nq, HEADS, DIM, generator=g).to(qdt),
-                        torch.randn(na, KV_HEADS, DIM, generator=g),
-                        torch.randn(na, KV_HEADS, DIM, generator=g), reply_to=PEER,
-                        works=None if (lo, hi) == (0, R) else (lo, hi)))
-                    want, got, by_plane = twin.both(msg)
-                    assert want.kind == MsgKind.RESULT, codec.from_message(want)
-                    assert _same(_no_span(want), _no_span(got))
-                    served += by_plane
-            _equal_state(twin.py, twin.nat)
-            ends[step_id] = True
+        for msg in _random_steps(first, parts, qdt, seed, reply_to=PEER):
+            if msg is None:
+                _equal_state(twin.py, twin.nat)
+            elif isinstance(msg, PrepareMsg):
+                a, b, _ = twin.both(codec.to_message(msg))
+                assert _same(a, b)
+            else:
+                want, got, by_plane = twin.both(codec.to_message(msg))
+                assert want.kind == MsgKind.RESULT, codec.from_message(want)
+                assert _same(_no_span(want), _no_span(got))
+                served += by_plane
         assert served > 0
         assert twin.nat.plane.served == served
     finally:
@@ -162,34 +171,22 @@ def test_attend_from_tensors_is_the_python_paths(native_available, first, pool, 
     """MemoryNode.attend with a plane (a node in the engine's process) takes the plane's
     tensor entry: the same results byte for byte and the same node state as without one, and
     every step ends (the plane finished it, Python synced)."""
-    g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
     py, nat = _node(pool), _node(pool)
     nat.plane = plane_for(nat)
     served = sent = 0
-    for step_id, works in enumerate((
-            [ShardWork(r, start, n, start, n) for r, start, n in first],
-            [ShardWork(r, start + n, 1, start + n, 1) for r, start, n in first])):
-        for node in (py, nat):
-            node.prepare(PrepareMsg(step_id, works))
-        R = len(works)
-        for li in rng.permutation(len(SPECS)):
-            cuts = sorted(set(rng.integers(1, R, size=parts - 1).tolist())) if R > 1 else []
-            for lo, hi in zip([0] + cuts, cuts + [R]):
-                nq = sum(w.num_q for w in works[lo:hi])
-                na = sum(w.num_append for w in works[lo:hi])
-                msg = AttendMsg(step_id, SPECS[li].layer,
-                                torch.randn(nq, HEADS, DIM, generator=g).to(qdt),
-                                torch.randn(na, KV_HEADS, DIM, generator=g),
-                                torch.randn(na, KV_HEADS, DIM, generator=g),
-                                works=None if (lo, hi) == (0, R) else (lo, hi))
-                before = nat.plane.served
-                want, got = py.attend(msg), nat.attend(msg)
-                served, sent = served + nat.plane.served - before, sent + 1
-                for x, y in ((want.o, got.o), (want.lse, got.lse)):
-                    assert x.dtype == y.dtype and x.view(torch.uint8).equal(y.view(torch.uint8))
-        assert nat.in_flight == py.in_flight == []
-        _equal_state(py, nat)
+    for msg in _random_steps(first, parts, qdt, seed):
+        if msg is None:
+            assert nat.in_flight == py.in_flight == []
+            _equal_state(py, nat)
+        elif isinstance(msg, PrepareMsg):
+            for node in (py, nat):
+                node.prepare(msg)
+        else:
+            before = nat.plane.served
+            want, got = py.attend(msg), nat.attend(msg)
+            served, sent = served + nat.plane.served - before, sent + 1
+            for x, y in ((want.o, got.o), (want.lse, got.lse)):
+                assert x.dtype == y.dtype and x.view(torch.uint8).equal(y.view(torch.uint8))
     assert served == sent > 0  # every ATTEND took the plane's entry
 
 
