@@ -106,8 +106,8 @@ def _arenas(ext, weights: list[torch.Tensor | None]) -> tuple[dict, dict]:
     pages once packed (:func:`advise_huge_pages`, by :func:`use_skinny_linear`): a slice streams
     its weights every step, and huge pages save TLB misses and prefetcher restarts (~3 % of a
     batch-1 pass over SmolLM2's packed weights, ~6 % at 8 rows in an earlier session), but
-    faulting them in while packing compacted memory synchronously: packing SmolLM2 in a fresh
-    process took 2.0-2.7 s against 0.46 s with 4 KB pages. The sizes come from packing an empty
+    faulting them in while packing can compact memory synchronously: packing SmolLM2 in a fresh
+    process took 1.5-2.7 s against 0.44-0.46 s with 4 KB pages. The sizes come from packing an empty
     ``[1, K]`` weight of each dtype and K (the layout, ``[ceil(N / rows), steps(K), rows,
     lanes]``, depends on the instruction set and dtype). Returns the arenas and those layouts,
     ``(dtype, K) -> [1, steps, rows, lanes]``."""

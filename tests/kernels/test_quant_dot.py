@@ -33,8 +33,9 @@ def blocks_of(kind: int, N: int, K: int, seed: int) -> tuple[np.ndarray, torch.T
     rng = np.random.default_rng(seed)
     nb = N * K // 256
     blocks = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)  # scales, minimums, quants
-    blocks[:, 0:2] = (rng.standard_normal(nb) * 0.002).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    blocks[:, 2:4] = (np.abs(rng.standard_normal(nb)) * 0.002).astype(np.float16).view(
+    half = np.float16
+    blocks[:, 0:2] = (rng.standard_normal(nb) * 0.002).astype(half).view(np.uint8).reshape(nb, 2)
+    blocks[:, 2:4] = (np.abs(rng.standard_normal(nb)) * 0.002).astype(half).view(
         np.uint8).reshape(nb, 2)
     blocks = blocks.reshape(N, -1)
     w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(N, K)
