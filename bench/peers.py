@@ -6,8 +6,7 @@ venv under ``.peers/``, made by ``bash scripts/peers-setup.sh``):
 * ``lamina-inproc``: ``LLM("smollm2", placement="inproc", device="cpu:0-1")``: every role in
   one process, its compute on both cores (the process owns both, two torch threads);
 * ``lamina-gguf``: lamina-inproc, ``kernels="gguf"``: few-row linear calls on the GGUF's blocks;
-* ``lamina-gguf-q8``: lamina-inproc, ``kernels="gguf-q8"``: every linear call on the GGUF's
-  blocks with 8-bit activations and integer dot products, as llama.cpp's Q4_1 path;
+* ``lamina-gguf-q8``: ``kernels="gguf-q8"``: the blocks times 8-bit activations, as llama.cpp;
 * ``lamina-procs``: ``LLM("smollm2", placement="procs", memory=1, device="cpu:0",
   memory_device="cpu:1")``: the compute replica on core 0, one memory node (KV + attention) in
   its own process on core 1;
@@ -87,8 +86,7 @@ def engines(cores: tuple[int, ...] | None = None) -> dict[str, dict]:
     return {
         "lamina-inproc": dict(kind="lamina", python=sys.executable, settings=inproc),
         "lamina-gguf": dict(kind="lamina", python=sys.executable, settings={**inproc, "kernels": "gguf"}),
-        "lamina-gguf-q8": dict(kind="lamina", python=sys.executable,
-                               settings={**inproc, "kernels": "gguf-q8"}),
+        "lamina-gguf-q8": dict(kind="lamina", python=sys.executable, settings={**inproc, "kernels": "gguf-q8"}),
         "lamina-procs": dict(kind="lamina", python=sys.executable, settings=dict(
             placement="procs", memory=1, device=f"cpu:{cores[0]}", memory_device=f"cpu:{last}")),
         "llamacpp-f32": dict(kind="llamacpp", python=llama_py, venv="llamacpp", settings=dict(

@@ -9,9 +9,9 @@ the dataclasses of :mod:`lamina.types`:
 * ``attend(AttendMsg) -> AttendResult`` - store the layer's k/v, run paged attention.
 * ``free(req_ids)``, ``free_range``, ``export``, ``import_kv``, ``share``, ``cancel``, ``stats``.
 
-A native data plane (:mod:`lamina.memnode.native`, :attr:`MemoryNode.plane`) may serve ATTENDs
-beside these methods, on the same state: prepared steps are registered with it, and :meth:`sync`
-ends the steps it finished (its server calls it before each request).
+A native data plane (:mod:`lamina.memnode.native`, :attr:`MemoryNode.plane`) serves ATTENDs on
+the same state, off a ring or (asked first by :meth:`attend`) from tensors; :meth:`sync` ends
+the steps it finished (a server calls it before each request).
 
 Semantics (the contract other components rely on):
 
@@ -198,7 +198,7 @@ class MemoryNode:
         pool's device; ``lse == -inf`` for queries that see no key here.
         """
         if self.plane is not None and (fast := self.plane.attend(msg)) is not None:
-            self.sync()  # ends the step if this was its last layer
+            self.sync()  # the plane ended the step if this was its last layer: Python too
             return fast
         t0 = time.perf_counter_ns()
         step = self._steps.get(msg.step_id)
