@@ -22,7 +22,6 @@ Measures, as ``bench/kv_accuracy.py`` does for KV formats (same text, same promp
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ for p in (ROOT, ROOT / "bench"):
 from lamina.computenode.gguf_linear import read_blocks  # noqa: E402
 from lamina.kernels import cpp_ext  # noqa: E402
 from lamina.models import gguf_file, load_model  # noqa: E402
-from kv_accuracy import PROMPTS, TEXT, compare, greedy  # noqa: E402
+from kv_accuracy import cells, compare, greedy, inputs, write  # noqa: E402
 
 KERNELS = ("auto", "gguf", "gguf-q8")  # auto: the float32 model (the reference)
 
@@ -89,11 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     model = "smollm2"
     loaded = load_model(model, dtype=torch.float32)
     blocks = read_blocks(gguf_file(model))
-    tok = loaded.tokenizer
-    ids = torch.tensor(tok(TEXT.read_text())["input_ids"])
-    chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-             for p in PROMPTS]
-    chats = [list(c["input_ids"]) if hasattr(c, "keys") else list(c) for c in chats]
+    ids, chats = inputs(loaded.tokenizer)
     rows = []
     for k in KERNELS:
         t0 = time.perf_counter()
@@ -117,20 +112,11 @@ def main(argv: list[str] | None = None) -> None:
           "teacher-forced | free-running | outputs identical |",
           "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        md.append(f"| {'float32 (auto)' if r['kernels'] == 'auto' else r['kernels']} | "
-                  f"{r['nll']:.4f} | {100 * r['nll_rel']:+.2f}% | {r['ppl']:.3f} | "
-                  f"{r['top1_agreement']:.4f} | {r['agreement']:.3f} | "
-                  f"{r['identical']} / {len(chats)} |")
-    text = "\n".join(md) + "\n"
-    print(text)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "gguf_accuracy_cpu.json").write_text(json.dumps(
-        dict(model=model, text_tokens=len(ids), prompts=len(chats), max_tokens=a.max_tokens,
-             simd=cpp_ext.load().simd_features(),
-             rows=[{k: v for k, v in r.items() if k not in ("out", "top1")} for r in rows]),
-        indent=1))
-    (a.out / "gguf_accuracy_cpu.md").write_text(text)
-    print(f"wrote {a.out / 'gguf_accuracy_cpu'}.json and .md")
+        label = "float32 (auto)" if r["kernels"] == "auto" else r["kernels"]
+        md.append(f"| {label} | " + cells(r, len(chats)))
+    write(a.out, "gguf_accuracy_cpu", "\n".join(md) + "\n",
+          dict(model=model, text_tokens=len(ids), prompts=len(chats), max_tokens=a.max_tokens,
+               simd=cpp_ext.load().simd_features()), rows)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,32 @@ def greedy(model: str, prompts: list[list[int]], max_tokens: int, **settings) ->
     return [o.outputs[0].token_ids for o in outs]
 
 
+def inputs(tok) -> tuple[torch.Tensor, list[list[int]]]:
+    """The NLL text's token ids and the chat prompts' (with the generation prompt)."""
+    ids = torch.tensor(tok(TEXT.read_text())["input_ids"])
+    chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+             for p in PROMPTS]
+    return ids, [list(c["input_ids"]) if hasattr(c, "keys") else list(c) for c in chats]
+
+
+def write(out: Path, stem: str, text: str, meta: dict, rows: list[dict]) -> None:
+    """Print ``text`` and save it as ``out/stem.md``, with ``meta`` and the rows' numbers as
+    ``out/stem.json``."""
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(
+        dict(meta, rows=[{k: v for k, v in r.items() if k not in ("out", "top1")} for r in rows]),
+        indent=1))
+    (out / f"{stem}.md").write_text(text)
+    print(f"wrote {out / stem}.json and .md")
+
+
+def cells(r: dict, prompts: int) -> str:
+    """A row's table cells after its label: NLL, vs the first row, perplexity, agreements."""
+    return (f"{r['nll']:.4f} | {100 * r['nll_rel']:+.2f}% | {r['ppl']:.3f} | "
+            f"{r['top1_agreement']:.4f} | {r['agreement']:.3f} | {r['identical']} / {prompts} |")
+
+
 def compare(rows: list[dict]) -> None:
     """Each row (``nll``, ``top1`` argmax per position, ``out`` greedy outputs) against the
     first: adds ``nll_rel``, ``ppl``, ``top1_agreement``, ``agreement`` (generated tokens
@@ -110,11 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     formats = ["float32"] + [f for f in a.formats if f != "float32"]
     loaded = load_model(a.model, dtype=torch.float32)
-    tok = loaded.tokenizer
-    ids = torch.tensor(tok(TEXT.read_text())["input_ids"])
-    chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-             for p in PROMPTS]
-    chats = [list(c["input_ids"]) if hasattr(c, "keys") else list(c) for c in chats]
+    ids, chats = inputs(loaded.tokenizer)
     rows = []
     for f in formats:
         t0 = time.perf_counter()
@@ -136,18 +158,10 @@ def main(argv: list[str] | None = None) -> None:
           "teacher-forced | free-running | outputs identical |",
           "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        md.append(f"| {r['format']} | {r['nll']:.4f} | {100 * r['nll_rel']:+.2f}% | "
-                  f"{r['ppl']:.3f} | {r['top1_agreement']:.4f} | {r['agreement']:.3f} | "
-                  f"{r['identical']} / {len(chats)} |")
-    text = "\n".join(md) + "\n"
-    print(text)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "kv_accuracy_cpu.json").write_text(json.dumps(
-        dict(model=a.model, text_tokens=len(ids), prompts=len(chats), max_tokens=a.max_tokens,
-             rows=[{k: v for k, v in r.items() if k not in ("out", "top1")} for r in rows]),
-        indent=1))
-    (a.out / "kv_accuracy_cpu.md").write_text(text)
-    print(f"wrote {a.out / 'kv_accuracy_cpu'}.json and .md")
+        md.append(f"| {r['format']} | " + cells(r, len(chats)))
+    write(a.out, "kv_accuracy_cpu", "\n".join(md) + "\n",
+          dict(model=a.model, text_tokens=len(ids), prompts=len(chats),
+               max_tokens=a.max_tokens), rows)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ venv under ``.peers/``, made by ``bash scripts/peers-setup.sh``):
 
 * ``lamina-inproc``: ``LLM("smollm2", placement="inproc", device="cpu:0-1")``: every role in
   one process, its compute on both cores (the process owns both, two torch threads);
-* ``lamina-gguf``: lamina-inproc, ``kernels="gguf"``: few-row linear calls on the GGUF's blocks;
-* ``lamina-gguf-q8``: ``kernels="gguf-q8"``: the blocks times 8-bit activations, as llama.cpp;
+* ``lamina-gguf`` / ``lamina-gguf-q8``: lamina-inproc with ``kernels="gguf"`` (few-row linear
+  calls on the GGUF's blocks) / ``"gguf-q8"`` (the blocks times 8-bit activations, as llama.cpp);
 * ``lamina-procs``: ``LLM("smollm2", placement="procs", memory=1, device="cpu:0",
   memory_device="cpu:1")``: the compute replica on core 0, one memory node (KV + attention) in
   its own process on core 1;
@@ -22,11 +22,9 @@ venv under ``.peers/``, made by ``bash scripts/peers-setup.sh``):
 
 Workloads (``requests x prompt tokens -> new tokens``): ``1x200->64``, ``8x200->64``,
 ``16x1000->32``. Prompts are random token ids from a fixed seed (:func:`make_prompts`), passed
-as token ids to every engine (no tokeniser involved, no BOS added); decoding is greedy
-(temperature 0) for exactly the asked number of new tokens (EOS ignored). All requests of a
-workload are submitted at once, at time 0.
-
-How a child times its tokens (TTFT, prefill end, decode tok/s, start-up): ``bench/peers_child.py``.
+as token ids to every engine (no tokeniser, no BOS); decoding is greedy for exactly the asked
+number of new tokens (EOS ignored), all requests submitted at once. How a child times its
+tokens (TTFT, prefill end, decode tok/s, start-up): ``bench/peers_child.py``.
 
 Rounds: every engine once per round (a fresh process, all workloads), their order rotating
 by one each round; default 2. Reported: the best round (decode tok/s highest, TTFT and start-up

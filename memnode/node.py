@@ -9,9 +9,8 @@ the dataclasses of :mod:`lamina.types`:
 * ``attend(AttendMsg) -> AttendResult`` - store the layer's k/v, run paged attention.
 * ``free(req_ids)``, ``free_range``, ``export``, ``import_kv``, ``share``, ``cancel``, ``stats``.
 
-A native data plane (:mod:`lamina.memnode.native`, :attr:`MemoryNode.plane`) serves ATTENDs on
-the same state, off a ring or (asked first by :meth:`attend`) from tensors; :meth:`sync` ends
-the steps it finished (a server calls it before each request).
+A native data plane (:attr:`MemoryNode.plane`) serves ATTENDs on the same state, off a ring or
+(asked first by :meth:`attend`) from tensors; :meth:`sync` ends the steps it finished.
 
 Semantics (the contract other components rely on):
 
@@ -124,8 +123,7 @@ class MemoryNode:
         self._attention = None  # the kernel for the pool's device, resolved at the first ATTEND
 
     def sync(self) -> None:
-        """End the steps whose last layer the native plane attended (:attr:`plane`, which serves
-        ATTENDs beside these methods; the caller holds its lock)."""
+        """End the steps the native plane finished (the caller holds its lock)."""
         if self.plane is not None:
             for step_id in self.plane.finished():
                 step = self._steps.get(step_id)
@@ -198,7 +196,7 @@ class MemoryNode:
         pool's device; ``lse == -inf`` for queries that see no key here.
         """
         if self.plane is not None and (fast := self.plane.attend(msg)) is not None:
-            self.sync()  # the plane ended the step if this was its last layer: Python too
+            self.sync()  # ends the step here too if that was its last layer
             return fast
         t0 = time.perf_counter_ns()
         step = self._steps.get(msg.step_id)
