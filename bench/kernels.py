@@ -299,16 +299,25 @@ def markdown(rows: list[dict], meta: dict) -> str:
                          f"{c['vs_torch_cpu']:.2f}x | {c['vs_batched']:.2f}x |")
     elif grid:
         lines += ["", "## Uniform contexts, random slot permutation", "",
+                  "`ms`, `GB/s`, `MBU`: per call, host included (calls back to back); "
+                  "`device us`, `MBU on device`: the kernels alone (the host queued ahead, "
+                  "`*` where it could not keep ahead); `x bf16`: tokens/s over bfloat16 "
+                  "`triton` (wall, device). KV MiB: the bytes a call reads.", "",
                   "| batch | ctx | KV MiB | method | ms | host us | GB/s | copy GB/s | % of copy | "
-                  "MBU (% of spec) | x batched |",
-                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "MBU (% of spec) | device us | MBU on device | x bf16 | x batched |",
+                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        pct = lambda x: "n/a" if x != x else f"{100 * x:.0f}%"  # noqa: E731
         for r in grid:
-            mbu = r.get("mbu", float("nan"))
+            dev = r.get("dev_us", float("nan"))
+            devs = "n/a" if dev != dev else f"{dev:.1f}{'' if r.get('host_ahead') else '*'}"
+            xb = (f"{r['vs_bf16']:.2f}x / {r['vs_bf16_dev']:.2f}x"
+                  if r["method"].startswith("triton_") and "vs_bf16" in r else "")
             lines.append(f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | {r['method']} | "
                          f"{r['time_ms']:.3f} | {r.get('host_us', float('nan')):.1f} | "
                          f"{r['gbps']:.1f} | {r['copy_gbps']:.1f} | "
-                         f"{100 * r['frac_copy']:.0f}% | "
-                         f"{'n/a' if mbu != mbu else f'{100 * mbu:.0f}%'} | {r['vs_batched']:.2f}x |")
+                         f"{100 * r['frac_copy']:.0f}% | {pct(r.get('mbu', float('nan')))} | "
+                         f"{devs} | {pct(r.get('dev_mbu', float('nan')))} | {xb} | "
+                         f"{r['vs_batched']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

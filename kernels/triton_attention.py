@@ -34,6 +34,19 @@ from lamina.types import AttentionSpec
 
 
 @triton.jit
+def _widen16(x):
+    """8-bit codes (int8 or float8 e4m3) as float16, exactly, without the int-to-float
+    conversion unit (its throughput, not memory, bounded the 8-bit kernel on an H200): an int8
+    v becomes the float16 whose bits are 0x6400 | (v + 128), i.e. 1024 + v + 128, minus 1152;
+    e4m3 takes the hardware's packed e4m3-to-f16 conversion."""
+    if x.dtype == tl.int8:
+        b = (x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16)
+        return ((b | 0x6400).to(tl.float16, bitcast=True) - 1152.0).to(tl.float16)
+    else:
+        return x.to(tl.float16)
+
+
+@triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_indices_ptr, q_pos_ptr,
                        work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_start_ptr,
                        out_o_ptr, out_lse_ptr,
@@ -52,8 +65,9 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_indices
     the dots run on the native 16-bit type with float32 accumulation.
 
     K_SCALED / V_SCALED: an 8-bit pool (int8 or float8 e4m3) whose float32 scales
-    ``[S, NUM_KV_HEADS]`` multiply a key's scores / a value's softmax weight; its elements are
-    widened exactly to the dot's operand type.
+    ``[S, NUM_KV_HEADS]`` multiply a key's scores / a value's row; its codes are widened
+    exactly to the dot's operand type: float32 under F32_DOT, else float16 (:func:`_widen16`;
+    the queries and softmax weights meet them in float16, values scaled in float16).
 
     ``work_ptr`` holds int32 ``[3, num_work]``: request, query block, kv chunk.
     SPLIT: write float32 partials to ``out_o[(w*Hkv+kvh)*BLOCK_M + m, D]``, ``out_lse[...]``;
@@ -111,6 +125,8 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_indices
                     mask=kv_mask, other=0.0)  # issued early: both tiles in flight together
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif K_SCALED:
+            s = tl.dot(q.to(tl.float16), tl.trans(_widen16(k)))
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if K_SCALED:
@@ -133,11 +149,14 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_indices
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_SCALED:  # after the sum: only the weighted values take the scales
+        if V_SCALED:
             vsc = tl.load(v_scale_ptr + slot * NUM_KV_HEADS + kvh, mask=n_ok, other=0.0)
-            p = p * vsc[None, :]
         if F32_DOT:
+            if V_SCALED:  # after the sum: only the weighted values take the scales
+                p = p * vsc[None, :]
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        elif V_SCALED:  # the values scaled in float16 (p * scale could underflow float16)
+            pv = tl.dot(p.to(tl.float16), _widen16(v) * vsc.to(tl.float16)[:, None])
         else:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
@@ -231,14 +250,21 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return o, lse
 
 
+def _f32_dot(q: torch.Tensor) -> bool:
+    """The kernel's F32_DOT for queries ``q``: float32 queries, or the CPU interpreter."""
+    return q.dtype == torch.float32 or not q.is_cuda
+
+
 def launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
            q_positions: torch.Tensor, kv_start_pos: torch.Tensor, lp: _LaunchPlan,
            o: torch.Tensor, lse: torch.Tensor, spec: AttentionSpec,
-           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+           **tune: int) -> None:
     """Queue the attention kernel (and, for a split plan, the merge) of plan ``lp`` on the
     current stream: no allocation, no host sync, so a CUDA graph can capture it. Inputs
     contiguous in their last dim and on q's device; ``o[T,H,D]``/``lse[T,H]`` contiguous
-    outputs (rows the plan does not cover are left as they are)."""
+    outputs (rows the plan does not cover are left as they are). ``tune``: Triton launch
+    options (``num_warps``, ``num_stages``) over the defaults, for tuning sweeps."""
     T, H, D = o.shape
     Hkv, G = k_pool.shape[1], spec.group_size
     split = lp.o_part is not None
@@ -253,9 +279,9 @@ def launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indic
         H=H, NUM_KV_HEADS=Hkv, G=G, GP=lp.GP, BLOCK_Q=lp.block_q, BLOCK_M=lp.block_m,
         BLOCK_N=lp.block_n, D=D, BLOCK_D=block_d, HAS_WINDOW=spec.window is not None,
         HAS_SOFTCAP=bool(spec.softcap), SPLIT=split,
-        F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        F32_DOT=_f32_dot(q),
         K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
-        num_warps=8 if block_d >= 128 else 4)  # 4 warps spill at D=128 (ptxas, sm_90)
+        **({"num_warps": 8 if block_d > 128 else 4} | tune))  # bench/triton_sweep.py (H200)
     if split:
         launch_merge(lp.o_part, lp.lse_part, o, lse, num_rows=T * H, num_parts=lp.max_ch,
                      part_stride=Hkv * lp.block_m, head_dim=D,

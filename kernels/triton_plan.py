@@ -19,6 +19,12 @@ PROGRAMS_PER_SM = 4  # split until about this many programs per streaming multip
 PARTIAL_BUDGET_BYTES = 256 << 20  # cap on float32 split-KV scratch; chunks grow to respect it
 
 
+def default_block_n(head_dim: int) -> int:
+    """Keys per inner step: 128 up to head_dim 128 (fastest for every KV format at batch 32 x
+    8k on an H200, ``bench/triton_sweep.py``), 32 above (register pressure)."""
+    return 128 if triton.next_power_of_2(head_dim) <= 128 else 32
+
+
 def _plan(qo: np.ndarray, kv: np.ndarray, T: int, block_q: int, chunk: int
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Host-side work list for chunk size ``chunk`` (int64 host indptrs in; numpy, because a
@@ -132,8 +138,7 @@ def host_plan(qo: np.ndarray, kv: np.ndarray, T: int, Hkv: int, G: int, D: int,
     chunk up to a power of two, so that consecutive decode steps share it (CUDA graphs)."""
     R = len(qo) - 1
     GP = triton.next_power_of_2(G)
-    block_d = max(16, triton.next_power_of_2(D))
-    block_n = block_n or (64 if block_d <= 128 else 32)
+    block_n = block_n or default_block_n(D)
     if T == 0 or R < 1 or int(kv[-1]) == 0:
         return None
     if int(kv[-1]) >= 2 ** 31:
@@ -167,7 +172,7 @@ def _launch_plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, T: int, Hkv: 
     R = len(qo) - 1
     hp = host_plan(qo, kv, T, Hkv, G, D, kv_chunk, block_n, dev)
     if hp is None:
-        bn = block_n or (64 if max(16, triton.next_power_of_2(D)) <= 128 else 32)
+        bn = block_n or default_block_n(D)
         return _LaunchPlan(max(R, 0), 0, 0, 0, triton.next_power_of_2(G), 1, 16, bn)
     tok_wbase, tok_row0, tok_nch = hp.tok
     # one host-to-device copy for the whole plan (and the indptrs), asynchronous from pinned

@@ -110,6 +110,27 @@ def test_8bit_kv_greedy_matches_hf_over_the_same_stored_kv(tiny, kv_dtype, place
             assert llm.deployment.instances[0].nodes[0].node.pool.fmt.name == kv_dtype
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "k16v8"])
+def test_8bit_kv_on_a_gpu_memory_node_matches_hf(tiny, kv_dtype):
+    """The same, compute and two memory nodes on the GPU (the Triton kernel reading the
+    8-bit pools): greedy output equals HF's over the same stored KV (on the CPU)."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    folder, _ = tiny
+    if (folder, kv_dtype) not in HF_8BIT:
+        model = tiny_model(ARCH[folder])
+        model.generation_config.eos_token_id = None
+        HF_8BIT[folder, kv_dtype] = hf_greedy(model, PROMPTS, MAX_NEW, kv_dtype)
+    with LLM(str(folder), device="cuda:0", memory_device="cuda:0", dtype="float32", memory=2,
+             kv_cache_tokens=24, kv_dtype=kv_dtype) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == HF_8BIT[folder, kv_dtype]
+        assert llm.deployment.instances[0].nodes[0].node.pool.fmt.name == kv_dtype
+
+
 def test_a_precomputed_context_decodes_beside_real_requests(tiny):
     """Engine.add_precomputed (synthetic contexts, for benchmarks): zeros imported as the
     prompt's KV across two nodes, the request decodes to max_tokens and frees its KV, and a

@@ -22,7 +22,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from kernel_cases import assert_matches, make_spec, random_case  # noqa: E402
 from lamina.kernels import backend_for, merge_states_ref, paged_attention_ref  # noqa: E402
-from lamina.kernels.triton_attention import paged_attention_triton  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from lamina.kernels.triton_attention import _widen16, paged_attention_triton  # noqa: E402
 from lamina.kernels.triton_merge import merge_states_triton  # noqa: E402
 from test_merge_states import _merge_oracle, shard_and_merge  # noqa: E402
 
@@ -72,6 +74,25 @@ def test_triton_reads_8bit_pools_as_the_reference(name, q_dtype, kv_chunk):
     assert_matches(o, lse, ref_o, ref_lse, q_dtype)
     with pytest.raises(ValueError, match="8-bit pools need scales"):
         paged_attention_triton(*args)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_triton_16bit_dots_over_8bit_pools(name, monkeypatch):
+    """The GPU's path for 8-bit pools and 16-bit queries (codes widened to float16, queries
+    and weights meeting them in float16; every dot float16, which the interpreter computes
+    right), forced on the interpreter: against the reference at bfloat16 tolerance."""
+    from lamina.kernels import triton_attention
+    from lamina.kernels.kv_format import kv_format
+    monkeypatch.setattr(triton_attention, "_f32_dot", lambda q: False)
+    fmt = kv_format(name)
+    case = random_case(900 + len(name), num_heads=6, num_kv_heads=2, head_dim=16,
+                       num_requests=(1, 4), max_ctx=200, max_q=6)
+    (kq, ks), (vq, vs) = fmt.k.quantize(case.k_pool), fmt.v.quantize(case.v_pool)
+    args = (case.q.to(torch.bfloat16), fmt.k.view(kq), fmt.v.view(vq), *case.args()[3:])
+    ref_o, ref_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs)
+    for kv_chunk in (32, None):
+        o, lse = paged_attention_triton(*args, ks, vs, kv_chunk=kv_chunk, block_n=16)
+        assert_matches(o, lse, ref_o, ref_lse, torch.bfloat16)
 
 
 @pytest.mark.parametrize("head_dim", [24, 64, 128])
@@ -209,3 +230,23 @@ def test_graphed_family_is_reused_across_steps_and_reloaded(monkeypatch):
         o, lse = triton_graphs.paged_attention_graphed(*args)
         assert_matches(o, lse, *paged_attention_ref(*args), torch.float32)
     assert len(triton_graphs._LOCAL.families) == 1
+
+
+@triton.jit
+def _widen(x_ptr, y_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y_ptr + i, _widen16(tl.load(x_ptr + i)))
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_widen16_is_exact(name):
+    """Every 8-bit code (int8 -127..127, every finite e4m3 byte) widens to its float16 value."""
+    if name == "int8":
+        x = torch.arange(-127, 128, dtype=torch.int8)
+    else:
+        x = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        x = x[torch.isfinite(x.float())]
+    x = torch.cat([x, x[:256 - len(x)]])
+    y = torch.empty(256, dtype=torch.float16)
+    _widen[(1,)](x, y, N=256)
+    assert torch.equal(y, x.float().half())
