@@ -201,7 +201,7 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now
     if commit == "now":
         return out.zero_()  # fault every page in now (as huge pages where the kernel has them)
     if commit == "background":
-        threading.Thread(target=populate, args=(out,), daemon=True,
+        threading.Thread(target=populate, args=(out, True), daemon=True,
                          name="lamina-populate").start()
     return out  # an anonymous mapping reads as zeros
 
@@ -209,14 +209,31 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, leaving their contents
 
 
-def populate(t: torch.Tensor) -> bool:
+POPULATE_CHUNK = 32 << 20  # bytes per madvise call of populate (a multiple of HUGE_PAGE)
+
+
+def populate(t: torch.Tensor, background: bool = False) -> bool:
     """Fault the pages of CPU tensor ``t`` in, writable, without writing them (safe while
     others use ``t``); False where the kernel cannot (before Linux 5.14, or not Linux): the
-    pages then fault in on first use."""
+    pages then fault in on first use. Chunk by chunk (:data:`POPULATE_CHUNK`): each madvise
+    holds the process's memory-map lock, which every ``mmap`` of another thread (an
+    allocation, a library loaded) waits for. ``background``: the calling thread (a
+    ``lamina-populate`` thread) first lowers its own priority, so that a start's other work
+    (its own threads', other role processes') goes first on a shared core."""
+    if background:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
+        except (OSError, AttributeError):
+            pass
     libc = ctypes.CDLL(None, use_errno=True)
     addr, n = t.data_ptr(), t.numel() * t.element_size()
-    return libc.madvise(ctypes.c_void_p(addr - addr % mmap.PAGESIZE),
-                        ctypes.c_size_t(n + addr % mmap.PAGESIZE), MADV_POPULATE_WRITE) == 0
+    start, end = addr - addr % mmap.PAGESIZE, addr + n
+    while start < end:
+        size = min(POPULATE_CHUNK - start % POPULATE_CHUNK, end - start)
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), MADV_POPULATE_WRITE):
+            return False
+        start += size
+    return True
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:

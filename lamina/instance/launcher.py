@@ -13,8 +13,10 @@ address when roles may land on other hosts.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 from typing import Any, Callable, Protocol
 
@@ -22,12 +24,14 @@ from lamina import omp
 from lamina.proctitle import run_titled
 
 LOCAL = {"node_id": "local", "ip": "127.0.0.1"}  # where every role of one host runs
+ROLE_MODULES = ("lamina.computenode.server", "lamina.memnode.server")  # a role's imports
 
 # Exit status of a role process that found itself re-running its parent's script (see below).
 UNGUARDED_MAIN_EXIT = 86
-UNGUARDED_MAIN = ("role processes start by re-running your script's top level (Python's 'spawn' "
-                  "start method), which creates this LLM again: put the code that creates it "
-                  "under `if __name__ == \"__main__\":` (see the README's Python example)")
+UNGUARDED_MAIN = ("role processes start by re-running your script's top level (Python's "
+                  "'forkserver' start method), which creates this LLM again: put the code that "
+                  "creates it under `if __name__ == \"__main__\":` (see the README's Python "
+                  "example)")
 
 
 class RoleHandle(Protocol):
@@ -55,22 +59,28 @@ class Launcher(Protocol):
 
 
 class ProcessLauncher:
-    """Roles as OS processes on this host, started with the ``spawn`` context (safe with
-    threads and CUDA); they are daemonic, so none outlives the engine's process.
+    """Roles as OS processes on this host, forked from Python's fork server (``forkserver``:
+    one clean process, started with the launcher, that imports :data:`ROLE_MODULES` once; safe
+    with threads and CUDA in the engine, which never forks itself), so a role skips Python's
+    start and torch's import (~1.5 s of a core each on a small machine). A role takes the
+    engine's environment as it is when the role starts (:func:`_run_role`). Roles are daemonic,
+    so none outlives the engine's process.
 
-    :meth:`keep_spare` starts one process ahead that imports what a role needs and then waits;
-    the next :meth:`start` hands it the role instead of spawning (a dead role comes back
-    without Python's start and imports: about 1.5 s of a core on a small machine)."""
+    :meth:`keep_spare` starts one process ahead that waits; the next :meth:`start` hands it
+    the role instead of starting one (with the fork server that saves only the fork)."""
 
     here = LOCAL
 
     def __init__(self) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
-            # We are a role process that ``spawn`` is still bootstrapping: it is importing the
+            # We are a role process still being bootstrapped: it is importing the
             # parent's main module, whose top level starts roles again. multiprocessing would
             # raise a riddle here; exit with a status the parent turns into UNGUARDED_MAIN.
             os._exit(UNGUARDED_MAIN_EXIT)
-        self.ctx = multiprocessing.get_context("spawn")
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(list(ROLE_MODULES))
+        omp.for_roles()  # the fork server's environment, libgomp's settings in every role
+        multiprocessing.forkserver.ensure_running()  # its imports overlap the engine's start
         self._spare: tuple[Any, Any] | None = None  # (process, its end of the pipe)
 
     def start(self, target: Callable[..., Any], args: tuple, name: str, *, role: str = "",
@@ -78,8 +88,8 @@ class ProcessLauncher:
         omp.for_roles()
         p = self._take_spare(name, target, args)
         if p is None:
-            p = self.ctx.Process(target=run_titled, args=(name, target, args), name=name,
-                                 daemon=True)
+            p = self.ctx.Process(target=_run_role, args=(name, target, args, dict(os.environ)),
+                                 name=name, daemon=True)
             p.start()
         p.where = LOCAL
         return p
@@ -104,7 +114,7 @@ class ProcessLauncher:
         p, pipe = spare
         try:
             if p.is_alive() and pipe.poll() and pipe.recv() == "ready":
-                pipe.send((name, target, args))
+                pipe.send((name, target, args, dict(os.environ)))
                 p.name = name
                 return p
         except (OSError, EOFError):
@@ -126,7 +136,7 @@ class ProcessLauncher:
 def _spare(pipe) -> None:
     """A spare role process: import what roles import, say so, then run the role it is handed
     (None, or the launcher's end closing: exit)."""
-    for module in ("lamina.computenode.server", "lamina.memnode.server"):  # torch and the rest
+    for module in ROLE_MODULES:  # torch and the rest
         importlib.import_module(module)
     try:
         pipe.send("ready")
@@ -135,7 +145,22 @@ def _spare(pipe) -> None:
         return
     if job is not None:
         pipe.close()
-        run_titled(*job)
+        _run_role(*job)
+
+
+def _run_role(title: str, target: Callable[..., Any], args: tuple,
+              environ: dict[str, str]) -> Any:
+    """A role process's entry: the starting process's environment as it is now (a forkserver
+    child inherits the fork server's, from when it started), the role, then Python's exit
+    handlers, which a forkserver child would skip (it leaves through ``os._exit``): they run
+    the finalizers of what the role still holds (a ring it created drops its registration
+    with the resource tracker, which would otherwise report it leaked)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        return run_titled(title, target, args)
+    finally:
+        atexit._run_exitfuncs()
 
 
 def _stop_spare(p, pipe) -> None:

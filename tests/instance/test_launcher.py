@@ -1,5 +1,7 @@
-"""ProcessLauncher's spare role process: started ahead with a role's imports done, it runs the
+"""ProcessLauncher: roles forked from the fork server see the engine's environment as it is
+when they start and run their exit handlers when they end; the spare role process runs the
 next role it is handed (the role's pid is the spare's); close stops a spare still waiting."""
+import atexit
 import os
 import time
 
@@ -22,6 +24,28 @@ def _lines(path, n, timeout=120.0):
             return lines
         time.sleep(0.05)
     raise TimeoutError(f"{path}: fewer than {n} lines")
+
+
+def report_env_and_exit(path, name):
+    """A role: write ``name``'s value now, and ``exit`` from an exit handler."""
+    atexit.register(report, path, "exit")
+    report(path, f"{name}={os.environ.get(name)}")
+
+
+def test_a_role_sees_the_environment_at_its_start_and_runs_its_exit_handlers(tmp_path,
+                                                                             monkeypatch):
+    launcher = ProcessLauncher()
+    q = tmp_path / "roles.txt"
+    name = "LAMINA_TEST_LAUNCHER_VAR"
+    try:
+        for i, value in enumerate(("one", "two")):  # the fork server started with "one"
+            monkeypatch.setenv(name, value)
+            p = launcher.start(report_env_and_exit, (q, name), f"lamina: test role {i}")
+            p.join(60)
+            assert p.exitcode == 0
+            assert _lines(q, 2 * i + 2)[2 * i:] == [f"{name}={value} {p.pid}", f"exit {p.pid}"]
+    finally:
+        launcher.close()
 
 
 def test_a_spare_runs_the_next_role_and_close_stops_the_one_waiting(tmp_path):

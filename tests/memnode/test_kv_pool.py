@@ -1,9 +1,13 @@
 """KVPool: store/gather round trips, views, sizing from byte budgets and free memory."""
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -134,6 +138,33 @@ def test_populate_faults_pages_in_without_writing_them():
     assert float(t[7]) == 5.0 and float(t.sum()) == 5.0  # nothing overwritten
     with pytest.raises(ValueError, match="commit"):
         huge_page_zeros((HUGE_PAGE,), torch.float32, "later")
+
+
+def test_populate_goes_chunk_by_chunk(monkeypatch):
+    """Chunks smaller than the tensor, a start inside a page: every chunk populated, nothing
+    written (the background form lowers only its own thread's priority)."""
+    import lamina.device as device
+    monkeypatch.setattr(device, "POPULATE_CHUNK", HUGE_PAGE)
+    t = huge_page_zeros((5 * HUGE_PAGE // 4,), torch.float32, "lazy")
+    t[-1] = 3.0
+    calls = []
+    real = ctypes.CDLL(None, use_errno=True).madvise
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: type("L", (), {"madvise": staticmethod(
+        lambda addr, size, adv: calls.append(size.value) or real(addr, size, adv))}))
+    out, mine = {}, os.getpriority(os.PRIO_PROCESS, 0)
+
+    def run():
+        out["ok"] = populate(t[5:], background=True)
+        out["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    if not out["ok"]:
+        pytest.skip("this kernel cannot populate without writing (Linux < 5.14)")
+    assert len(calls) >= 5 and max(calls) <= HUGE_PAGE
+    assert float(t[-1]) == 3.0 and float(t.sum()) == 3.0
+    assert out["nice"] == 19 and os.getpriority(os.PRIO_PROCESS, 0) == mine  # that thread only
 
 
 def test_small_pools_and_the_pool_itself():
