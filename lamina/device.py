@@ -209,7 +209,7 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, leaving their contents
 
 
-POPULATE_CHUNK = 32 << 20  # bytes per madvise call of populate (a multiple of HUGE_PAGE)
+POPULATE_CHUNK = 2 << 20  # bytes per madvise call of populate: one huge page
 
 
 def populate(t: torch.Tensor, background: bool = False) -> bool:
@@ -217,7 +217,8 @@ def populate(t: torch.Tensor, background: bool = False) -> bool:
     others use ``t``); False where the kernel cannot (before Linux 5.14, or not Linux): the
     pages then fault in on first use. Chunk by chunk (:data:`POPULATE_CHUNK`): each madvise
     holds the process's memory-map lock, which every ``mmap`` of another thread (an
-    allocation, a library loaded) waits for. ``background``: the calling thread (a
+    allocation, a library loaded, a ring) waits for, and a huge page's fault may compact
+    memory first (slow where free memory is fragmented, as right after an export). ``background``: the calling thread (a
     ``lamina-populate`` thread) first lowers its own priority, so that a start's other work
     (its own threads', other role processes') goes first on a shared core."""
     if background:

@@ -203,6 +203,12 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
         cores = sorted({c for d in replica_devs + node_devs for c in (d.cores or ())})
         if cores:  # cores named: this process runs every role, so it owns their union
             own_cores(cores)
+        sampler = Sampler()
+        split = info.split  # read here (timed as the split's own stage) when not yet read
+        with stage("compute replicas"):  # first: packing is not slowed by the pools' commit
+            blocks = blocks_for(config.model.model, replica_devs[0].torch)
+            replicas = [ComputeReplica(split, d.torch, sampler, graph_tokens, blocks)
+                        for d in replica_devs]
         with stage("memory nodes"):
             nodes: list[NodeClient] = []
             for k, d in enumerate(node_devs):
@@ -210,12 +216,6 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                                   dtype=info.dtype, kv_dtype=config.cache.kv_dtype, device=d.torch)
                 node.plane = plane_for(node)  # its ATTENDs in one C++ call where it applies
                 nodes.append(InProcessNode(node, name=f"memory node {k}"))
-        sampler = Sampler()
-        split = info.split  # read here (timed as the split's own stage) when not yet read
-        with stage("compute replicas"):
-            blocks = blocks_for(config.model.model, replica_devs[0].torch)
-            replicas = [ComputeReplica(split, d.torch, sampler, graph_tokens, blocks)
-                        for d in replica_devs]
         polling = make_polling(icfg.device_polling, replica_devs[0].torch,
                                icfg.pipeline.micro_batches, config.scheduler.max_num_batched_tokens)
         worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline, polling)
