@@ -19,6 +19,7 @@ folder is read only by this host's own processes, which run the slices' source a
 from __future__ import annotations
 
 import hashlib
+from importlib import metadata
 import json
 import os
 import shutil
@@ -54,8 +55,6 @@ def split_key(name: str, dtype: torch.dtype, device: torch.device | str) -> str 
     files = model_files(str(name))
     if not files:
         return None
-    import transformers
-
     h = hashlib.sha256()
     for p in files:
         st = p.stat()
@@ -64,7 +63,7 @@ def split_key(name: str, dtype: torch.dtype, device: torch.device | str) -> str 
         h.update(src.read_bytes())
     d = torch.device(device)
     h.update(f"{name}|{dtype}|{'cpu' if d.type == 'cpu' else d}|{torch.__version__}|"
-             f"{transformers.__version__}".encode())
+             f"{metadata.version('transformers')}".encode())  # not imported: ~1 s a role
     return h.hexdigest()[:24]
 
 
