@@ -28,6 +28,7 @@ import time
 import torch
 
 from lamina.kernels import paged_attention_batched
+from lamina.kernels.kv_format import kv_format
 from lamina.types import AttentionSpec
 
 SHAPE = (32, 8, 128, torch.bfloat16)  # q heads, kv heads, head_dim, dtype (LLaMA-3-8B-like)
@@ -46,6 +47,15 @@ def _hold_cycles() -> int:
     end.record()
     torch.cuda.synchronize()
     return int(10_000_000 * HOLD_S / (start.elapsed_time(end) / 1e3))
+
+
+def format_pools(kp: torch.Tensor, vp: torch.Tensor, name: str) -> tuple:
+    """The pools ``kp``/``vp`` ([S, Hkv, D]) stored in KV format ``name``: ``(k codes, v codes,
+    k_scale | None, v_scale | None, bytes a call reads)``."""
+    fmt = kv_format(name)
+    (kq, ks), (vq, vs) = fmt.k.quantize(kp), fmt.v.quantize(vp)
+    S, hkv, d = kp.shape
+    return fmt.k.view(kq), fmt.v.view(vq), ks, vs, S * hkv * fmt.bytes_per_token_head(d)
 
 
 def device_time(fn, cycles: int) -> tuple[float, bool]:
@@ -89,7 +99,6 @@ def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
     """Triton vs SDPA on a contiguous copy vs torch_batched; the same call repeated. ``mbu``:
     KV bytes/s over the device's spec bandwidth (:func:`device_peak_bw`)."""
     from lamina.kernels.triton_attention import paged_attention_triton
-    from lamina.kernels.kv_format import kv_format
     from lamina.kernels.triton_graphs import paged_attention_graphed
     cycles = _hold_cycles()
     heads, kv_heads, head_dim, dtype = SHAPE
@@ -124,13 +133,10 @@ def run_cuda(grid: list[tuple[int, int]], warmup: int, reps: int) -> list[dict]:
                "torch_batched": lambda: paged_attention_batched(*args)}
         nbytes = {n: kv_bytes for n in fns}
         for fname in FORMATS:
-            fmt = kv_format(fname)
-            (kq, ks), (vq, vs) = fmt.k.quantize(kp), fmt.v.quantize(vp)
-            kq, vq = fmt.k.view(kq), fmt.v.view(vq)
+            kq, vq, ks, vs, nbytes[f"triton_{fname}"] = format_pools(kp, vp, fname)
             fargs = (q, kq, vq, *host_args[3:])
             fns[f"triton_{fname}"] = (lambda fa=fargs, a=ks, b=vs:
                                       paged_attention_triton(*fa, k_scale=a, v_scale=b))
-            nbytes[f"triton_{fname}"] = S * kv_heads * fmt.bytes_per_token_head(head_dim)
         times: dict[str, list[float]] = {n: [] for n in fns}
         hosts: dict[str, list[float]] = {n: [] for n in fns}
         devs: dict[str, list[float]] = {n: [] for n in fns if n.startswith(("triton", "sdpa"))}

@@ -24,8 +24,7 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from kernels_cuda import _hold_cycles, device_peak_bw, device_time  # noqa: E402
-from lamina.kernels.kv_format import kv_format  # noqa: E402
+from kernels_cuda import _hold_cycles, device_peak_bw, device_time, format_pools  # noqa: E402
 from lamina.kernels.triton_attention import launch  # noqa: E402
 from lamina.kernels.triton_plan import _launch_plan  # noqa: E402
 from lamina.types import AttentionSpec  # noqa: E402
@@ -40,12 +39,7 @@ def cell(batch: int, ctx: int, fmts: list[str], slab: int = 1) -> dict:
     S = batch * ctx
     kp = torch.randn(S, HKV, D, device="cuda", dtype=torch.bfloat16)
     vp = torch.randn(S, HKV, D, device="cuda", dtype=torch.bfloat16)
-    pools = {}
-    for name in fmts:
-        fmt = kv_format(name)
-        (kq, ks), (vq, vs) = fmt.k.quantize(kp), fmt.v.quantize(vp)
-        pools[name] = (fmt.k.view(kq), fmt.v.view(vq), ks, vs,
-                       S * HKV * fmt.bytes_per_token_head(D))
+    pools = {name: format_pools(kp, vp, name) for name in fmts}
     del kp, vp
     qo = torch.arange(batch + 1, dtype=torch.int32)
     return dict(pools=pools, q=torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16),

@@ -85,7 +85,6 @@ class ProcessLauncher:
 
     def start(self, target: Callable[..., Any], args: tuple, name: str, *, role: str = "",
               device: str = "cpu") -> RoleHandle:
-        omp.for_roles()
         p = self._take_spare(name, target, args)
         if p is None:
             p = self.ctx.Process(target=_run_role, args=(name, target, args, dict(os.environ)),
@@ -99,7 +98,6 @@ class ProcessLauncher:
         if self._spare is not None and self._spare[0].is_alive():
             return
         mine, its = self.ctx.Pipe()
-        omp.for_roles()
         p = self.ctx.Process(target=_spare, args=(its,), name="lamina: spare role", daemon=True)
         p.start()
         its.close()

@@ -90,17 +90,22 @@ def test_cuda_graphs_keep_greedy_output_on_gpu(tiny, memory_device):
             assert not graphs or all(r.graphs.replays > 0 for r in replicas)
 
 
+def _hf_8bit(folder, kv_dtype: str) -> list[list[int]]:
+    """HF's greedy outputs of PROMPTS over KV stored as ``kv_dtype`` (once per model)."""
+    if (folder, kv_dtype) not in HF_8BIT:
+        model = tiny_model(ARCH[folder])
+        model.generation_config.eos_token_id = None
+        HF_8BIT[folder, kv_dtype] = hf_greedy(model, PROMPTS, MAX_NEW, kv_dtype)
+    return HF_8BIT[folder, kv_dtype]
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "k16v8"])
 @pytest.mark.parametrize("placement", ["inproc", pytest.param("procs", marks=pytest.mark.slow)])
 def test_8bit_kv_greedy_matches_hf_over_the_same_stored_kv(tiny, kv_dtype, placement):
     """Memory nodes holding 8-bit KV (two nodes, requests spanning both): greedy output equals
     HF generate whose cache holds the same quantised values (hf_oracle.fake_quant_cache)."""
     folder, _ = tiny
-    if (folder, kv_dtype) not in HF_8BIT:
-        model = tiny_model(ARCH[folder])
-        model.generation_config.eos_token_id = None
-        HF_8BIT[folder, kv_dtype] = hf_greedy(model, PROMPTS, MAX_NEW, kv_dtype)
-    want = HF_8BIT[folder, kv_dtype]
+    want = _hf_8bit(folder, kv_dtype)
     with LLM(str(folder), memory=2, placement=placement, kv_cache_tokens=24,
              kv_dtype=kv_dtype) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
@@ -119,15 +124,11 @@ def test_8bit_kv_on_a_gpu_memory_node_matches_hf(tiny, kv_dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     folder, _ = tiny
-    if (folder, kv_dtype) not in HF_8BIT:
-        model = tiny_model(ARCH[folder])
-        model.generation_config.eos_token_id = None
-        HF_8BIT[folder, kv_dtype] = hf_greedy(model, PROMPTS, MAX_NEW, kv_dtype)
     with LLM(str(folder), device="cuda:0", memory_device="cuda:0", dtype="float32", memory=2,
              kv_cache_tokens=24, kv_dtype=kv_dtype) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
                                                     ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == HF_8BIT[folder, kv_dtype]
+        assert [o.outputs[0].token_ids for o in outs] == _hf_8bit(folder, kv_dtype)
         assert llm.deployment.instances[0].nodes[0].node.pool.fmt.name == kv_dtype
 
 
