@@ -96,6 +96,31 @@ const DType* float_dtype(int code) {
   return (d->type == at::kFloat || d->type == at::kBFloat16 || d->type == at::kHalf) ? d : nullptr;
 }
 
+// pool[slots[i]] = x[i] for a pool layer [S, Hkv, D] (MemoryNode's ``index_copy_``): one
+// memcpy a row where x has the pool's dtype and both hold rows contiguously and every slot is in
+// range (a decode step's few rows: index_copy_'s TensorIterator costs ~5 us a call), else
+// index_copy_ itself (which converts, or raises on a bad slot).
+void put_rows(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& x) {
+  const int64_t n = x.size(0), S = pool.size(0), row = pool.size(1) * pool.size(2);
+  const bool flat = x.scalar_type() == pool.scalar_type() && x.is_contiguous() &&
+                    pool.stride(2) == 1 && pool.stride(1) == pool.size(2) &&
+                    slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                    slots.numel() == n;
+  if (flat) {
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    bool in_range = true;
+    for (int64_t i = 0; i < n; ++i) in_range = in_range && sl[i] >= 0 && sl[i] < S;
+    if (in_range) {
+      const int64_t bytes = row * x.element_size(), stride = pool.stride(0) * x.element_size();
+      const char* src = static_cast<const char*>(x.data_ptr());
+      char* dst = static_cast<char*>(pool.data_ptr());
+      for (int64_t i = 0; i < n; ++i) std::memcpy(dst + sl[i] * stride, src + i * bytes, bytes);
+      return;
+    }
+  }
+  pool.index_copy_(0, slots, x.to(pool.scalar_type()));
+}
+
 class AttendPlane {
  public:
   // k_cache / v_cache: the pool's [L, S, Hkv, D] CPU tensors in the kernel's dtypes (KVPool.k);
@@ -359,9 +384,9 @@ class AttendPlane {
       if (ks_.defined()) ks = ks_[li];
       if (vs_.defined()) vs = vs_[li];
       if (ks) store_(k_[li], *ks, slots, k);
-      else k_[li].index_copy_(0, slots, k.to(k_.scalar_type()));
+      else put_rows(k_[li], slots, k);
       if (vs) store_(v_[li], *vs, slots, v);
-      else v_[li].index_copy_(0, slots, v.to(v_.scalar_type()));
+      else put_rows(v_[li], slots, v);
       at::Tensor q_indptr = step.q_indptr, kv_indptr = ki.indptr, kv_indices = ki.indices,
                  q_pos = step.q_positions, kv_start = ki.start_pos;
       if (!whole) {
