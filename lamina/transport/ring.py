@@ -1,33 +1,9 @@
 """The one-sided ring protocol every byte-ring link speaks (shared memory today, RDMA where a
-device exists), over a small memory primitive.
-
-Protocol. One single-producer/single-consumer byte ring per direction: a 4096-byte control
-block of u64 words (each on its own 64-byte line) then ``capacity`` data bytes. ``head`` and
-``tail`` count bytes written and consumed since creation (position = count % capacity); the
-writer owns ``head`` and each side's "waiting" and "closed" flags are written by that side
-only. Free space (the writer's credits) is ``capacity - (head - tail)``. Messages are encoded
-with :mod:`lamina.transport.wire` and *streamed*: the writer copies what fits and waits for
-space, the reader feeds what is there to a :class:`~lamina.transport.stream.StreamDecoder`,
-so a message of any size passes through a ring of any capacity.
-
-Primitive (:class:`~lamina.transport.ring_memory.RingMemory`, one direction as one end sees it). Every end reads only its
-*local* copy of the block; it changes the peer's view with two calls:
-
-* ``store(word, value)``: set a control word here and at the peer;
-* ``publish(start, end)``: make data bytes ``[start, end)`` (stream counts) written into the
-  local copy visible at the peer.
-
-Shared memory maps one segment at both ends, so ``store`` is a plain store and ``publish``
-nothing (:class:`~lamina.transport.shm_ring._Ring`). RDMA keeps a registered copy at each end
-and turns both into RDMA WRITEs on a reliable-connected queue pair, which delivers them in
-order: data before the ``head`` that announces it (:mod:`lamina.transport.rdma`). Waiting:
-spin, then a doorbell where the memory has one (shm: a FIFO), else a short sleep between polls.
-
-The C++ fast path (:mod:`lamina.transport.shm_fast`) encodes into and decodes out of the local
-copy by address; the channel then publishes what it wrote. Both paths write the same bytes. Its
-calls answer with the named statuses of :mod:`~lamina.transport.shm_fast` (``SENT``, ``EMPTY``,
-...), and the channel dispatches on those: anything the fast path does not take (no room now, a
-message it is not built for, a message not whole yet or malformed) goes the Python way.
+device exists), over the memory primitive :class:`~lamina.transport.ring_memory.RingMemory`:
+one single-producer/single-consumer byte ring per direction, messages encoded by
+:mod:`lamina.transport.wire` and streamed through it (any size through any capacity), the C++
+fast path of :mod:`lamina.transport.shm_fast` first where it takes the message. The protocol,
+the primitive and the fast path's statuses: docs/architecture.md, "The ring protocol".
 """
 from __future__ import annotations
 
@@ -67,8 +43,7 @@ class RingChannel(Channel):
             raise ValueError("wake_interval must be > 0 and spin_us >= 0")
         self._tx, self._rx = tx, rx
         self.limits = limits
-        self._spin_s = spin_us * 1e-6
-        self._wake = wake_interval
+        self._spin_s, self._wake = spin_us * 1e-6, wake_interval
         self._forever = spin_us == float("inf")  # a receiver that owns its core: never sleeps
         self._yield_every = YIELD_EVERY if self._forever else 0  # per fast receive call
         self._spin_ns = int(min(self._spin_s, wake_interval) * 1e9)  # per fast receive call
@@ -76,8 +51,7 @@ class RingChannel(Channel):
         # a receiver that may sleep does so inside the fast receive call, on the data doorbell
         # when it has an fd (shm's FIFO); else (RDMA: polls only) in _idle
         self._sleep_bell = -1 if self._forever else getattr(rx.data_bell, "fd", -1)
-        self._dec = StreamDecoder(limits)
-        self._fast = fast
+        self._dec, self._fast = StreamDecoder(limits), fast
         # this end's counts (HEAD of tx, TAIL of rx) live in the fast path's ring ends, which
         # the Python path reads and moves too; without it, in plain stand-ins
         self._writer = self._reader = None
@@ -94,13 +68,10 @@ class RingChannel(Channel):
                                      self._wake_ns, getattr(rx.space_bell, "fd", -1))
         self._tx_end = self._writer or SimpleNamespace(head=int(tx.ctl[HEAD]))
         self._rx_end = self._reader or SimpleNamespace(tail=int(rx.ctl[TAIL]))
-        self._tx_lock = threading.Lock()
-        self._rx_lock = threading.Lock()
-        self._close_lock = threading.Lock()
+        self._tx_lock, self._rx_lock, self._close_lock = (threading.Lock() for _ in range(3))
         self._closed = False
 
     # ------------------------------------------------------------------ hooks
-
     @abstractmethod
     def peer_alive(self) -> bool:
         """Whether the other end still runs."""
@@ -115,7 +86,6 @@ class RingChannel(Channel):
         """Runs at close instead of :meth:`_release` when a thread is still inside."""
 
     # ------------------------------------------------------------------ state
-
     @property
     def limits(self) -> WireLimits:
         """What this end's sends are checked against (settable; received messages keep the
@@ -134,7 +104,6 @@ class RingChannel(Channel):
         return self._closed
 
     # ------------------------------------------------------------------ waiting
-
     def _wait(self, ring: RingMemory, flag: int, bell: Bell, word: int, base: int, need: int,
               check: Callable[[], None], deadline: float | None, spin_s: float | None = None) -> bool:
         return wait_for(ring, flag, bell, word, base, need, check, deadline,
@@ -163,7 +132,6 @@ class RingChannel(Channel):
             raise PeerDied("peer process died (channel send)")
 
     # ------------------------------------------------------------------ data path
-
     def send(self, msg: Message, while_full: Callable[[], None] | None = None) -> None:
         """Send ``msg``, waiting for ring space as needed. ``while_full``: called (about every
         millisecond) while the ring has no room, for a caller that must keep taking its own
@@ -296,7 +264,6 @@ class RingChannel(Channel):
         return time.perf_counter_ns(), None
 
     # ------------------------------------------------------------------ native consumers
-
     def native_tx(self) -> tuple[int, int, int, int, int] | None:
         """``(ctl, data, capacity, head address, data doorbell fd or -1)`` of the send ring, for
         a native writer that its owner serialises with this end's other sends; None where a
