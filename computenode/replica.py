@@ -7,7 +7,8 @@ output ``o[T,H,D]`` to the next slice.
 With ``cuda_graph_tokens > 0`` (a CUDA device only) every slice is captured as CUDA graphs for
 steps of up to that many tokens and replayed there (:mod:`lamina.computenode.cuda_graphs`).
 ``gguf_blocks`` (:func:`lamina.computenode.gguf_linear.read_blocks`; CPU only): the linear
-layers' decode-sized calls run on a GGUF's own quantised blocks.
+layers' decode-sized calls run on a GGUF's own quantised blocks. On CPU each slice then runs as
+a C++ program where ``KernelConfig.slices`` allows (:mod:`lamina.computenode.native_slice`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from lamina.computenode.cuda_graphs import SliceGraphs, capture_sizes
 from lamina.computenode.fast_ops import flatten_constants, use_fast_ops
 from lamina.computenode.fused_ops import fuse_small_ops
 from lamina.computenode.gguf_linear import use_gguf_linear
+from lamina.computenode.native_slice import native_programs
 from lamina.computenode.sampling import Sampler
 from lamina.splitter import SplitModel
 from lamina.types import SamplingParams, StepPlan
@@ -45,6 +47,7 @@ class ComputeReplica:
         self.graphs: SliceGraphs | None = None
         if cuda_graph_tokens > 0:  # raises where the device cannot capture them
             self.graphs = SliceGraphs(split, self.device, capture_sizes(cuda_graph_tokens))
+        self.programs = native_programs(split) if self.device.type == "cpu" else None
 
     # -- one slice at a time (the replica core drives these: runner.py) ------------------------------
     def begin(self, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -57,7 +60,19 @@ class ComputeReplica:
         """Run slice k on ``values`` (moved to this replica's device first: a context arriving
         from another replica). Returns :meth:`SplitModel.advance`'s ``(context, qkv, logits)``."""
         values = {n: t.to(self.device, non_blocking=True) for n, t in values.items()}
-        return self.split.advance(k, values, self.graphs)
+        return self.split.advance(k, values, self.runner())
+
+    def runner(self):
+        """What runs a slice (``SplitModel.advance``'s ``run``): the CUDA graphs, else the C++
+        programs, else None (the slices' generated code)."""
+        if self.graphs is not None:
+            return self.graphs
+        return self._run_program if self.programs is not None else None
+
+    def _run_program(self, k: int, args: list[torch.Tensor]):
+        """Slice k by its C++ program, or by its graph where it has none."""
+        program = self.programs[k]
+        return program.run(args) if program is not None else self.split.slices[k](*args)
 
     def sample(self, logits: torch.Tensor, req_ids: list[int], params: list[SamplingParams],
                uniforms: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,3 +84,4 @@ class ComputeReplica:
 
     def release(self, req_id: int) -> None:
         self.sampler.release(req_id)
+

@@ -43,7 +43,7 @@ __all__ = ["CFLAGS", "SOURCES", "HEADERS", "load", "available", "build_error", "
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp",
                                           "quant_linear_cpu.cpp", "quant_dot_cpu.cpp",
-                                          "fused_cpu.cpp",
+                                          "fused_cpu.cpp", "slice_program.cpp",
                                           "bindings.cpp"))
 HEADERS = (_CSRC / "simd.h", _CSRC / "ggml_blocks.h")
 POOLS = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

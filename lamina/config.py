@@ -23,6 +23,7 @@ LINEAR_KERNELS = ("auto", "packed", "gguf", "gguf-q8", "torch")
 GGUF_KERNELS = ("gguf", "gguf-q8")  # linear choices that read a GGUF's blocks (kernels names too)
 RING_CODECS = ("auto", "cpp", "python")
 NODE_PLANES = ("auto", "native", "python")
+SLICE_RUNNERS = ("auto", "native", "fx")
 
 
 @dataclass(frozen=True)
@@ -41,17 +42,22 @@ class KernelConfig:
     * ``ring``: the shared-memory ring's codec: ``auto`` (the C++ fast path where it builds),
       ``cpp`` (that or an error), ``python`` (:mod:`lamina.transport.shm_fast`);
     * ``plane``: who serves a memory node's ATTENDs: ``auto`` (the native plane where it builds
-      and applies), ``native`` (that or an error), ``python`` (:mod:`lamina.memnode.native`).
+      and applies), ``native`` (that or an error), ``python`` (:mod:`lamina.memnode.native`);
+    * ``slices``: who runs a CPU replica's slices: ``auto`` (each slice as a C++ program where
+      the extension builds and the slice translates), ``native`` (that or an error), ``fx``
+      (the slices' generated Python code; :mod:`lamina.computenode.native_slice`).
     """
 
     attention: str = "auto"
     linear: str = "auto"
     ring: str = "auto"
     plane: str = "auto"
+    slices: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in (("attention", ATTENTION_KERNELS), ("linear", LINEAR_KERNELS),
-                              ("ring", RING_CODECS), ("plane", NODE_PLANES)):
+                              ("ring", RING_CODECS), ("plane", NODE_PLANES),
+                              ("slices", SLICE_RUNNERS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} kernels {getattr(self, name)!r}: expected one of "
                                  f"{', '.join(choices)}")
@@ -68,7 +74,8 @@ class KernelConfig:
             raise ValueError(f"kernels {name!r} (LAMINA_KERNELS / --kernels): expected one of "
                              f"{', '.join(ATTENTION_KERNELS + GGUF_KERNELS)}")
         python = "python" if name == "torch" else "auto"
-        return cls(name, "auto" if name in ("auto", "cpp") else "torch", python, python)
+        return cls(name, "auto" if name in ("auto", "cpp") else "torch", python, python,
+                   "fx" if name == "torch" else "auto")
 
 
 _KERNELS: list[KernelConfig] = []  # this process's choices, once a role or deployment set them

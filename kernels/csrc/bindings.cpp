@@ -43,6 +43,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& in
 
 namespace py = pybind11;
 
+// slice_program.cpp
+void bind_slice_program(py::module_& m);
+
 // The kernels touch no Python object: they run without the GIL, so the role's receiver
 // threads can take messages in while its main thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -87,6 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_q8", &quant_linear_q8,
         "quant_linear_q8(x[..., K] float32, packed, N, ggml type, bias) -> y[..., N] float32: "
         "quant_linear with x quantised to 8 bits per block of 32 and integer dot products", nogil);
+  bind_slice_program(m);
   m.def("rms_norm", &rms_norm, "rms_norm(x[..., D], w[D], eps) -> w * (x * rsqrt(mean(x^2, -1) + eps))", nogil);
   m.def("silu_mul", &silu_mul, "silu_mul(a, b) -> silu(a) * b", nogil);
   m.def("rope", &rope,

@@ -83,13 +83,14 @@ def test_kernel_choices_are_config_carried_to_every_role_and_given_back(folder):
 
     before = kernels_in_use()
     cfg = deployment_config(folder, kernels="torch")
-    assert cfg.instance.kernels == KernelConfig("torch", "torch", "python", "python")
+    assert cfg.instance.kernels == KernelConfig("torch", "torch", "python", "python", "fx")
     with pytest.raises(ValueError, match="expected one of"):
         deployment_config(folder, kernels="fastest")
     with pytest.raises(ValueError, match="ring kernels 'zmq'"):
         KernelConfig(ring="zmq")
     assert node_config([], 8, "cpu", torch.float32, 4, kernels=cfg.instance.kernels).kernels \
-        == {"attention": "torch", "linear": "torch", "ring": "python", "plane": "python"}
+        == {"attention": "torch", "linear": "torch", "ring": "python", "plane": "python",
+            "slices": "fx"}
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outs = {}
     stages.take()
