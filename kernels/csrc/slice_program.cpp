@@ -26,20 +26,9 @@
 #include <string>
 #include <vector>
 
-namespace py = pybind11;
+#include "cpu_kernels.h"
 
-// the kernels it calls (this extension's other sources)
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
-                         const c10::optional<at::Tensor>& bias, const at::Tensor& panels,
-                         int64_t max_rows, int64_t max_rows_same);
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                        const c10::optional<at::Tensor>& bias);
-at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                           int64_t kind, const c10::optional<at::Tensor>& bias);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor silu_mul(const at::Tensor& a, const at::Tensor& b);
-at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& inv_freq,
-                double scale, int64_t half);
+namespace py = pybind11;
 
 namespace {
 

@@ -45,34 +45,16 @@ def test_every_slice_of_every_arch_runs_as_a_program_bit_for_bit(arch):
         assert torch.equal(got, want)
 
 
-class _Two(torch.nn.Module):
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor):
-        super().__init__()
-        self.q = torch.nn.Linear(w1.shape[1], w1.shape[0], bias=False)
-        self.d = torch.nn.Linear(w2.shape[1], w2.shape[0], bias=True)
-        self.q.weight.data, self.d.weight.data = w1, w2
-
-    def forward(self, x):
-        return torch.ops.aten.linear.default(
-            torch.ops.aten.linear.default(x, self.q.weight), self.d.weight, self.d.bias)
-
-
 @pytest.mark.parametrize("choice", ["gguf", "gguf-q8"])
 @pytest.mark.parametrize("rows", [1, QUANT_ROWS + 3])
 def test_gguf_linear_layers_choose_as_their_python_wrappers(choice, rows):
     """Both branches of each wrapper (the blocks, the float32 panels) as the program takes them."""
-    gguf = pytest.importorskip("gguf")
-    from lamina.computenode import cpu_linear
-    raw = [torch.randn(96, 64, generator=G), torch.randn(40, 96, generator=G)]
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    blocks = [torch.from_numpy(gguf.quants.quantize(w.numpy(), q8)) for w in raw]
-    deq = [torch.from_numpy(gguf.quants.dequantize(b.numpy(), q8)).reshape(w.shape)
-           for b, w in zip(blocks, raw)]
-    gm = fx.symbolic_trace(_Two(*deq))
-    assert cpu_linear.use_skinny_linear(gm, pack=True) == 2
+    pytest.importorskip("gguf")
+    from test_gguf_linear import _two_q8_layers
+    gm, blocks, _ = _two_q8_layers(G)
     previous = use_kernels(KernelConfig.named(choice))
     try:
-        assert use_gguf_linear(gm, {"q.weight": (8, blocks[0]), "d.weight": (8, blocks[1])}) == 2
+        assert use_gguf_linear(gm, blocks) == 2
     finally:
         use_kernels(previous)
     x = torch.randn(rows, 64, generator=G)
