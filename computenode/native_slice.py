@@ -11,9 +11,9 @@ bit for bit (``tests/computenode/test_native_slice.py``).
 
 A graph with anything else (a Python function, an argument of a kind the program does not
 carry: a device, a layout) is not translated: :func:`slice_program` raises
-:class:`NotTranslatable` naming the node, and under ``auto`` that slice keeps its Python code. ``KernelConfig.slices``
-chooses: ``auto`` (the program where the extension builds and the slice translates),
-``native`` (that, or an error naming the node), ``fx`` (the generated code).
+:class:`NotTranslatable` naming the node, and under ``auto`` that slice keeps its Python code.
+``KernelConfig.slices`` chooses: ``auto`` (the program where the extension builds and the
+slice translates), ``native`` (that, or an error naming the node), ``fx`` (the generated code).
 """
 from __future__ import annotations
 
@@ -57,27 +57,17 @@ def slice_program(gm: fx.GraphModule, ext: Any | None = None) -> Any:
     if ext is None:
         raise RuntimeError(f"native slices need the C++ extension: {cpp_ext.build_error()}")
     kernels = {getattr(ext, name): op for name, op in KERNEL_OPS.items()}
-    inputs: list[fx.Node] = []
-    constants: list[torch.Tensor] = []
-    calls: list[tuple[fx.Node, int, str, str, list]] = []
-    reg: dict[fx.Node, int] = {}
-    outputs: list[Any] = []
     nodes = list(gm.graph.nodes)
-    for node in nodes:
-        if node.op == "placeholder":
-            inputs.append(node)
-        elif node.op == "get_attr":
-            t = constant(gm, node)
-            if t is None:
-                raise NotTranslatable(f"{node.name}: get_attr of a non-tensor {node.target!r}")
-            constants.append(t)
-    for i, node in enumerate(inputs):
-        reg[node] = i
-    n_const = 0
-    for node in nodes:
-        if node.op == "get_attr":
-            reg[node] = len(inputs) + n_const
-            n_const += 1
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    held = [n for n in nodes if n.op == "get_attr"]  # registers after the inputs, in order
+    constants: list[torch.Tensor] = []
+    for node in held:
+        if (t := constant(gm, node)) is None:
+            raise NotTranslatable(f"{node.name}: get_attr of a non-tensor {node.target!r}")
+        constants.append(t)
+    reg: dict[fx.Node, int] = {n: i for i, n in enumerate(inputs + held)}
+    calls: list[tuple[fx.Node, int, str, str, list]] = []
+    outputs: list[Any] = []
     base = len(inputs) + len(constants)
     for node in nodes:
         if node.op == "call_function":
