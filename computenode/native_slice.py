@@ -27,8 +27,10 @@ from lamina.computenode import gguf_linear
 from lamina.computenode.fast_ops import FAST, constant
 from lamina.config import kernels_in_use
 from lamina.kernels import cpp_ext
+from lamina.splitter.model import STEP_INPUTS
+from lamina.splitter.slices import ATTN_OUT
 
-__all__ = ["NotTranslatable", "native_programs", "slice_program"]
+__all__ = ["NotTranslatable", "native_programs", "slice_program", "step_program"]
 
 # opcodes of slice_program.cpp
 ATEN, SIZE, GETITEM, PACKED_LINEAR, QUANT_LINEAR, QUANT_LINEAR_Q8, RMS_NORM, SILU_MUL, ROPE, \
@@ -188,3 +190,22 @@ def native_programs(split: Any) -> list | None:
                 raise NotTranslatable(f"slice {k}: {e}") from None
             programs.append(None)
     return programs
+
+
+def step_program(split: Any, programs: list | None, ext: Any | None = None) -> Any | None:
+    """Every slice of ``split`` chained in C++ (``ext.StepProgram``: a lone micro-batch's step
+    in one call, each layer's attention by a memory node's plane in this process), from
+    :func:`native_programs`' ``programs``; None where a slice has no program. Value names
+    become slots: :data:`STEP_INPUTS` first, then in order of appearance."""
+    if programs is None or any(p is None for p in programs):
+        return None
+    ext = ext if ext is not None else cpp_ext.load()
+    slots = {name: i for i, name in enumerate(STEP_INPUTS)}
+
+    def slot(name: str) -> int:
+        return slots.setdefault(name, len(slots))
+
+    inputs = [[slot(n) for n in info.inputs] for info in split.infos]
+    outputs = [[slot(n) for n in info.outputs] for info in split.infos]
+    qkv = [slot(n) for n in ("q", "k", "v")]
+    return ext.StepProgram(programs, inputs, outputs, len(slots), qkv, slot(ATTN_OUT))

@@ -8,7 +8,9 @@ With ``cuda_graph_tokens > 0`` (a CUDA device only) every slice is captured as C
 steps of up to that many tokens and replayed there (:mod:`lamina.computenode.cuda_graphs`).
 ``gguf_blocks`` (:func:`lamina.computenode.gguf_linear.read_blocks`; CPU only): the linear
 layers' decode-sized calls run on a GGUF's own quantised blocks. On CPU each slice then runs as
-a C++ program where ``KernelConfig.slices`` allows (:mod:`lamina.computenode.native_slice`).
+a C++ program where ``KernelConfig.slices`` allows (:mod:`lamina.computenode.native_slice`),
+and where every slice has one, a lone micro-batch's whole step can run in one C++ call
+(:meth:`ComputeReplica.run_step`).
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from lamina.computenode.cuda_graphs import SliceGraphs, capture_sizes
 from lamina.computenode.fast_ops import flatten_constants, use_fast_ops
 from lamina.computenode.fused_ops import fuse_small_ops
 from lamina.computenode.gguf_linear import use_gguf_linear
-from lamina.computenode.native_slice import native_programs
+from lamina.computenode.native_slice import native_programs, step_program
 from lamina.computenode.sampling import Sampler
 from lamina.splitter import SplitModel
-from lamina.types import SamplingParams, StepPlan
+from lamina.splitter.model import STEP_INPUTS
+from lamina.types import NativeExchange, SamplingParams, StepPlan
 
 
 class ComputeReplica:
@@ -48,6 +51,7 @@ class ComputeReplica:
         if cuda_graph_tokens > 0:  # raises where the device cannot capture them
             self.graphs = SliceGraphs(split, self.device, capture_sizes(cuda_graph_tokens))
         self.programs = native_programs(split) if self.device.type == "cpu" else None
+        self.step = step_program(split, self.programs)  # every slice has a program: the chain
 
     # -- one slice at a time (the replica core drives these: runner.py) ------------------------------
     def begin(self, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -61,6 +65,15 @@ class ComputeReplica:
         from another replica). Returns :meth:`SplitModel.advance`'s ``(context, qkv, logits)``."""
         values = {n: t.to(self.device, non_blocking=True) for n, t in values.items()}
         return self.split.advance(k, values, self.runner())
+
+    def run_step(self, step_id: int, values: dict[str, torch.Tensor], exchange: NativeExchange):
+        """Slices 0, 1, ... of step ``step_id`` in one C++ call from :meth:`begin`'s ``values``,
+        each layer's attention by ``exchange`` (needs :attr:`step`). Returns ``(k, context,
+        qkv, logits)``: :meth:`run_slice`'s result for slice k, the last slice or the layer
+        whose exchange declined (its ATTEND is the caller's to send)."""
+        k, out = self.step.run(step_id, [values[n] for n in STEP_INPUTS], exchange.fn,
+                               exchange.obj)
+        return (k, *self.split.outcome(k, values, dict(zip(self.split.infos[k].outputs, out))))
 
     def runner(self):
         """What runs a slice (``SplitModel.advance``'s ``run``): the CUDA graphs, else the C++

@@ -17,7 +17,9 @@ A slice is ready when its context is here and, past slice 0, every ATTEND part o
 layer has its RESULT. Running it merges those results exactly (log-sum-exp), runs the slice
 (or lands it, pre-launched behind a device flag: :mod:`lamina.computenode.polling`), then sends
 the layer's ATTENDs with ``reply_to`` the peer id of the replica that runs the next slice, or
-samples after the last slice. Timeline spans (compute: ``slice k``, ``send``, ``recv`` (the
+samples after the last slice. A lone micro-batch whose node answers ATTENDs in C++ in this
+process runs its whole step in one C++ call instead (:meth:`ComputeReplica.run_step`; not while
+a timeline records, since it has no per-slice spans). Timeline spans (compute: ``slice k``, ``send``, ``recv`` (the
 merge), ``slice k + sample``; memory: ``attend k``) go to the ``span`` callback.
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.schedule import replica_for
 from lamina.config import PipelineConfig
 from lamina.splitter.slices import ATTN_OUT
-from lamina.types import AttendMsg, AttendResult, NodeRoute, PrepareMsg, SamplingParams, StepPlan
+from lamina.types import (AttendMsg, AttendResult, NativeExchange, NodeRoute, PrepareMsg,
+                          SamplingParams, StepPlan)
 
 
 @dataclass
@@ -76,6 +79,10 @@ class Port(Protocol):
     def to_next(self, mb: MicroBatch, values: dict[str, torch.Tensor], parts: list[int]) -> None: ...
 
     def to_engine(self, mb: MicroBatch, tokens: list[int]) -> None: ...
+
+    def native_exchange(self, node: int) -> NativeExchange | None:
+        """Node ``node``'s ATTEND as C++ in this process calls it (a whole step of a lone
+        micro-batch then runs in one call: :meth:`ComputeReplica.run_step`), or None."""
 
     def exchange(self, node: int, msg: AttendMsg) -> tuple[int, AttendResult | None]:
         """Send ``msg`` to node ``node`` (as :meth:`to_node`) and wait right here for its
@@ -182,15 +189,60 @@ class SliceRunner:
 
     def _run(self, mb: MicroBatch) -> None:
         got = None  # layer k-1's RESULT, waited for in place (a lone micro-batch, one node)
+        if mb.k == 0 and (exchange := self._native_step(mb)) is not None:
+            got = self._run_step(mb, exchange)
+            if got is None:
+                return
         while True:
             got = self._run_one(mb, got)
             if got is None:
                 return
 
+    def _lone(self, mb: MicroBatch) -> bool:
+        """Whether ``mb`` is alone here with one ATTEND of every row a layer: its replica has
+        nothing else to run before that ATTEND's RESULT."""
+        if len(self.mbs) != 1 or self.polling is not None or len(mb.routes) != 1:
+            return False
+        route = mb.routes[0]
+        return route.span == (0, mb.plan.num_tokens) \
+            and (self.pipeline.attn_parts <= 1 or len(route.works) == 1)
+
+    def _native_step(self, mb: MicroBatch) -> NativeExchange | None:
+        """How ``mb``'s whole step runs in one C++ call (:meth:`ComputeReplica.run_step`), or
+        None: a lone micro-batch whose slices all run on one replica here that has the chained
+        program, its node's ATTEND callable from C++, no timeline recording."""
+        if self.span is not None or not self._lone(mb):
+            return None
+        here = self.replica_of(mb, 0)
+        replica = self.replicas.get(here)
+        if replica is None or replica.step is None or \
+                any(self.replica_of(mb, k) != here for k in range(1, len(replica.split.slices))):
+            return None
+        return self.port.native_exchange(mb.routes[0].node)
+
+    def _run_step(self, mb: MicroBatch, exchange: NativeExchange) -> AttendResult | None:
+        """``mb``'s step by one C++ call from slice 0; where a layer's exchange declined, its
+        ATTEND goes out as :meth:`_run_one`'s do (the RESULT where it was waited for)."""
+        here = self.replica_of(mb, 0)
+        replica = self.replicas[here]
+        try:
+            try:
+                k, context, qkv, logits = replica.run_step(mb.step_id, mb.values, exchange)
+            finally:
+                exchange.done()
+            tokens = None if context is not None else \
+                replica.sample(logits, mb.req_ids, mb.params, mb.uniforms).tolist()
+        except Exception as e:  # noqa: BLE001 -- this micro-batch fails; the others go on
+            self.drop(mb.step_id)
+            self.port.failed(mb, e)
+            return None
+        mb.k = k
+        return self._then(mb, here, context, qkv, tokens)
+
     def _run_one(self, mb: MicroBatch, got: AttendResult | None) -> AttendResult | None:
         """Slice ``mb.k`` (on ``got``, else on the filed results), then its sends; the RESULT of
         its ATTEND where it was waited for in place (then the next slice runs at once)."""
-        k, plan = mb.k, mb.plan
+        k = mb.k
         here = self.replica_of(mb, k)
         replica = self.replicas[here]
         ahead, mb.ahead = mb.ahead, None
@@ -214,28 +266,33 @@ class SliceRunner:
             self.port.failed(mb, e)
             return None
         t2 = time.perf_counter_ns()
-        tag = " (landed)" if ahead is not None else ""
-        if k > 0 and self.span is not None:
-            self.span("compute", here, "recv", t0, t1, mb)
+        if self.span is not None:
+            if k > 0:
+                self.span("compute", here, "recv", t0, t1, mb)
+            self.span("compute", here, f"slice {k}" + (" + sample" if tokens is not None else "")
+                      + (" (landed)" if ahead is not None else ""), t1, t2, mb)
+        return self._then(mb, here, context, qkv, tokens)
+
+    def _then(self, mb: MicroBatch, here: int, context: dict[str, torch.Tensor] | None,
+              qkv: tuple | None, tokens: list[int] | None) -> AttendResult | None:
+        """After slice ``mb.k`` ran on replica ``here``: the tokens to the engine (the last
+        slice), else the layer's ATTENDs out and the context to the next slice's replica. The
+        RESULT where it was waited for in place (:meth:`Port.exchange`)."""
+        k, plan = mb.k, mb.plan
+        t2 = time.perf_counter_ns()
         if tokens is not None:
-            if self.span is not None:
-                self.span("compute", here, f"slice {k} + sample{tag}", t1, t2, mb)
             del self.mbs[mb.step_id]
             mb.values, mb.sent = None, -1
             self.port.to_engine(mb, tokens)
             return None
-        if self.span is not None:
-            self.span("compute", here, f"slice {k}{tag}", t1, t2, mb)
         nxt = self.replica_of(mb, k + 1)
         reply_to, got = self.peer_base + nxt, None
-        if nxt == here and len(self.mbs) == 1 and self.polling is None \
-                and len(mb.routes) == 1 and (route := mb.routes[0]).span == (0, plan.num_tokens) \
-                and (self.pipeline.attn_parts <= 1 or len(route.works) == 1):
+        if nxt == here and self._lone(mb):
             # one ATTEND of every row, and nothing else can run here before its RESULT: send
             # it and wait for the RESULT in place
             parts = [1]
-            sent_ns, got = self.port.exchange(route.node, AttendMsg(plan.step_id, k, *qkv,
-                                                                    reply_to))
+            sent_ns, got = self.port.exchange(mb.routes[0].node,
+                                              AttendMsg(plan.step_id, k, *qkv, reply_to))
         else:
             msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=reply_to,
                                    parts=self.pipeline.attn_parts)

@@ -295,6 +295,9 @@ class ReplicaServer:
     def to_node(self, node: int, msg: PrepareMsg | AttendMsg) -> None:
         self._send(("node", node), codec.to_message(msg))
 
+    def native_exchange(self, node: int) -> None:
+        return None  # the nodes are in other processes: no whole-step program here yet
+
     def exchange(self, node: int, msg: AttendMsg) -> tuple[int, AttendResult | None]:
         """Send ``msg`` to node ``node`` and, where this thread receives that link itself, wait
         here for its RESULT: one native call that sends and takes the reply

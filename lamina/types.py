@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -162,6 +163,18 @@ class AttendResult:
     o: torch.Tensor
     lse: torch.Tensor
     span_ns: tuple[int, int] | None = None  # node's ATTEND start/end, time.perf_counter_ns
+
+
+@dataclass(frozen=True)
+class NativeExchange:
+    """A memory node in this process that attends without Python, for a whole-step program
+    (``kernels/csrc/exchange.h``): ``fn`` the ``ExchangeFn`` capsule, ``obj`` the capsule of
+    its ``self``; ``done()``, called once after a step that used it, ends on the node the steps
+    whose last layer it attended."""
+
+    fn: Any
+    obj: Any
+    done: Callable[[], None]
 
 
 @dataclass

@@ -36,7 +36,7 @@ from lamina.kernels import cpp_ext
 from lamina.kernels.dispatch import backend_for
 from lamina.transport import shm_fast
 from lamina.transport.wire import DEFAULT_LIMITS, MsgKind
-from lamina.types import AttendMsg, AttendResult
+from lamina.types import AttendMsg, AttendResult, NativeExchange
 
 if TYPE_CHECKING:
     from lamina.memnode.node import MemoryNode
@@ -47,7 +47,8 @@ __all__ = ["EXTENSION", "NativePlane", "IDLE", "HANDOFF", "plane_for", "unavaila
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _RING = Path(shm_fast.__file__).resolve().parent / "csrc"
 EXTENSION = Extension("lamina_attend_plane", (_CSRC / "attend_plane.cpp",),
-                      headers=(_RING / "ring_layout.h", _RING / "ring_io.h"),
+                      headers=(_RING / "ring_layout.h", _RING / "ring_io.h",
+                               cpp_ext.EXCHANGE_HEADER),
                       fallback="the Python ATTEND path")
 IDLE, HANDOFF = 0, 1  # NativePlane.serve's results (checked against the module's at load)
 
@@ -81,6 +82,7 @@ class NativePlane:
                                          list(DEFAULT_LIMITS.as_tuple()),
                                          int(MsgKind.ATTEND), int(MsgKind.RESULT))
         self.lock = NativeLock(self._plane)
+        self._exchange = (module.exchange_fn, self._plane.handle())
 
     # -- steps (the node's calls, under the lock) -------------------------------------------------
     def add_step(self, step: "StepState") -> None:
@@ -118,6 +120,11 @@ class NativePlane:
             return None
         o, lse, t0, t1 = r
         return AttendResult(step_id=msg.step_id, layer=msg.layer, o=o, lse=lse, span_ns=(t0, t1))
+
+    def exchange(self, done) -> NativeExchange:
+        """:meth:`attend` for a whole-step program in this process (``exchange.h``), under the
+        same rule; ``done``: :meth:`MemoryNode.sync`."""
+        return NativeExchange(*self._exchange, done)
 
     # -- peers and serving (the server's calls) -------------------------------------------------
     def add_peer(self, peer: int, tx: tuple[int, int, int, int, int]) -> None:

@@ -59,8 +59,8 @@ from lamina.memnode.cascade import attend_cascade
 from lamina.memnode.kv_pool import KVPool
 from lamina.memnode.plan import StepState, build_step
 from lamina.memnode.shard import Shard
-from lamina.types import (AttendMsg, AttendResult, AttentionSpec, KVChunk, NodeStats, PrepareMsg,
-                          ShardWork)
+from lamina.types import (AttendMsg, AttendResult, AttentionSpec, KVChunk, NativeExchange,
+                          NodeStats, PrepareMsg, ShardWork)
 
 if TYPE_CHECKING:
     from lamina.memnode.native import NativePlane
@@ -121,6 +121,12 @@ class MemoryNode:
         self._attend_ns = 0  # cumulative ATTEND time, reported by STATS
         self.plane: NativePlane | None = None  # a native data plane serving ATTENDs (see sync)
         self._attention = None  # the kernel for the pool's device, resolved at the first ATTEND
+
+    def native_exchange(self) -> NativeExchange | None:
+        """:meth:`attend` as a whole-step program in this process calls it, without Python (the
+        native plane's; None without one). The caller is the node's only thread, as for
+        :meth:`attend`."""
+        return self.plane.exchange(self.sync) if self.plane is not None else None
 
     def sync(self) -> None:
         """End the steps the native plane finished (the caller holds its lock)."""

@@ -18,6 +18,8 @@ from lamina.splitter.slices import ATTN_OUT, SliceInfo, build_slices
 from lamina.splitter.verify import VerifyResult, verify_split
 from lamina.types import AttentionSpec
 
+STEP_INPUTS = ("input_ids", "position_ids", "logits_to_keep")  # what start() makes, every step
+
 #: attend(layer, q[T,H,D], k[T,Hkv,D], v[T,Hkv,Dv]) -> o[T,H,Dv]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 #: run(k, args) -> slice k's outputs, computed some other way than ``slices[k](*args)``
@@ -85,8 +87,7 @@ class SplitModel:
               sample_rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """The values slice 0 reads, for flattened tokens ``input_ids[T]``, ``position_ids[T]``
         and the rows to produce logits for, ``sample_rows[R]`` (all int64, on one device)."""
-        return {"input_ids": input_ids[None], "position_ids": position_ids[None],
-                "logits_to_keep": sample_rows}
+        return dict(zip(STEP_INPUTS, (input_ids[None], position_ids[None], sample_rows)))
 
     def advance(self, k: int, values: dict[str, torch.Tensor], run: SliceRunner | None = None
                 ) -> tuple[dict[str, torch.Tensor] | None, tuple | None, torch.Tensor | None]:
@@ -95,12 +96,17 @@ class SplitModel:
         or ``(None, None, result)`` for the last slice (logits of the sample rows for HF causal
         LMs, ``[R, V]``; the whole first output otherwise). The context holds the values later
         slices read (the minimum cut), so moving it is moving the micro-batch."""
-        out = self.run_slice(k, values, run)
+        return self.outcome(k, values, self.run_slice(k, values, run))
+
+    def outcome(self, k: int, values: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+                ) -> tuple[dict[str, torch.Tensor] | None, tuple | None, torch.Tensor | None]:
+        """:meth:`advance`'s result from the outputs ``out`` (by name) of slice k run on
+        ``values`` (however it ran)."""
         if k == len(self.specs):
             result = out["output0"][0]  # drop the batch dimension of 1
             rows = values["logits_to_keep"]
             return None, None, result if "logits_to_keep" in self.infos[k].inputs else result[rows]
-        context = {n: values[n] for n in ("input_ids", "position_ids", "logits_to_keep")}
+        context = {n: values[n] for n in STEP_INPUTS}
         context.update({n: t for n, t in out.items() if n not in ("q", "k", "v")})
         return context, (out["q"], out["k"], out["v"]), None
 

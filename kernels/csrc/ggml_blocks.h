@@ -12,6 +12,10 @@
 
 namespace lamina_ggml {
 
+// The fewest weight bytes a thread's task of a linear kernel reads (at::parallel_for's grain):
+// small enough that a decode step's 576 x 576 projections are split between the threads too.
+constexpr int64_t kTaskBytes = 32 << 10;
+
 // A block's float16 scale, stored little-endian at p, as float32 (exact).
 inline float half(const uint8_t* p) {
   uint16_t h;

@@ -243,7 +243,8 @@ void run(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t 
          const uint8_t* packed, int64_t N, const float* bias, float* y) {
   const int64_t KB = K / kQK, group_bytes = KB * packed_bytes(KIND);
   const int64_t groups = (N + kNR - 1) / kNR;
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(group_bytes, 1));
+  const int64_t grain =
+      std::max<int64_t>(1, lamina_ggml::kTaskBytes / std::max<int64_t>(group_bytes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = packed + g * group_bytes;

@@ -190,8 +190,9 @@ template <int KIND>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* wq, int64_t N, const float* bias,
          float* y) {
   const int64_t bb = block_bytes(KIND), KB = K / kQK, row_bytes = KB * bb;
-  // a few hundred KB of weights per task: threads get whole, contiguous runs of rows
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(row_bytes, 1));
+  // threads get whole, contiguous runs of rows
+  const int64_t grain =
+      std::max<int64_t>(1, lamina_ggml::kTaskBytes / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = wq + n * row_bytes;

@@ -18,15 +18,22 @@
 // one per instruction. An argument is a register or a constant decoded once from the tagged
 // tuples the translator passes. A register is released after its last use, as the generated
 // code's ``x = None`` does, so a long prompt's activations do not pile up.
+//
+// A StepProgram chains the programs of every slice of a model with each layer's attention
+// answered by a memory node's plane in this process (exchange.h): a lone micro-batch's step in
+// one call.
 #include <ATen/ATen.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/python.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "exchange.h"
 
 namespace py = pybind11;
 
@@ -245,6 +252,77 @@ class SliceProgram {
   int64_t n_regs_ = 0;
 };
 
+// A step of a lone micro-batch run whole: every slice's program in turn, each layer's attention
+// answered by an ExchangeFn (exchange.h), so that no Python runs between the slices. Values pass
+// between slices in slots (one per value name; Python numbers them: native_slice.step_program):
+// slice k reads inputs[k] and writes outputs[k]; the layer's q, k, v are slots qkv, its attention
+// output goes to slot attn_out.
+class StepProgram {
+ public:
+  StepProgram(const py::list& programs, std::vector<std::vector<int64_t>> inputs,
+              std::vector<std::vector<int64_t>> outputs, int64_t n_slots,
+              std::vector<int64_t> qkv, int64_t attn_out)
+      : inputs_(std::move(inputs)), outputs_(std::move(outputs)), n_slots_(n_slots),
+        qkv_(std::move(qkv)), attn_out_(attn_out) {
+    for (const auto& p : programs) {
+      owners_.push_back(py::reinterpret_borrow<py::object>(p));
+      programs_.push_back(p.cast<const SliceProgram*>());
+    }
+    const size_t n = programs_.size();
+    TORCH_CHECK(n > 0 && inputs_.size() == n && outputs_.size() == n && qkv_.size() == 3,
+                "StepProgram: inputs and outputs per slice, three q/k/v slots");
+    auto in_range = [&](int64_t s) { return s >= 0 && s < n_slots_; };
+    for (size_t k = 0; k < n; ++k)
+      for (const auto* slots : {&inputs_[k], &outputs_[k]})
+        for (int64_t s : *slots) TORCH_CHECK(in_range(s), "StepProgram: slot ", s, " out of range");
+    TORCH_CHECK(in_range(attn_out_) && in_range(qkv_[0]) && in_range(qkv_[1]) && in_range(qkv_[2]),
+                "StepProgram: slot out of range");
+  }
+
+  // Slots 0.. hold `base`; the slices run from 0 with the GIL released. Returns (k, slice k's
+  // outputs): k the last slice (the step is done), or the layer whose exchange declined (its
+  // ATTEND is the caller's to send). fn / self: an ExchangeFn capsule and its object.
+  std::tuple<int64_t, std::vector<at::Tensor>> run(int64_t step_id,
+                                                   const std::vector<at::Tensor>& base,
+                                                   const py::capsule& fn,
+                                                   const py::capsule& self) const {
+    TORCH_CHECK(fn.name() != nullptr && std::string(fn.name()) == kExchangeCapsule,
+                "StepProgram: fn is not a ", kExchangeCapsule, " capsule");
+    TORCH_CHECK(static_cast<int64_t>(base.size()) <= n_slots_, "StepProgram: too many inputs");
+    const auto exchange = reinterpret_cast<ExchangeFn>(fn.get_pointer());
+    void* obj = self.get_pointer();
+    py::gil_scoped_release nogil;
+    c10::InferenceMode inference;
+    std::vector<at::Tensor> slots(base);
+    slots.resize(n_slots_);
+    const int64_t last = static_cast<int64_t>(programs_.size()) - 1;
+    std::vector<at::Tensor> args;
+    for (int64_t k = 0;; ++k) {
+      args.clear();
+      for (int64_t s : inputs_[k]) {
+        TORCH_CHECK(slots[s].defined(), "StepProgram: slice ", k, " reads slot ", s,
+                    " before it is written");
+        args.push_back(slots[s]);
+      }
+      std::vector<at::Tensor> out = programs_[k]->run(args);
+      if (k == last) return {k, std::move(out)};
+      for (size_t j = 0; j < out.size(); ++j) slots[outputs_[k][j]] = out[j];
+      at::Tensor o;
+      if (!exchange(obj, step_id, k, slots[qkv_[0]], slots[qkv_[1]], slots[qkv_[2]], &o))
+        return {k, std::move(out)};
+      slots[attn_out_] = std::move(o);
+    }
+  }
+
+ private:
+  std::vector<py::object> owners_;  // keep the programs alive
+  std::vector<const SliceProgram*> programs_;
+  std::vector<std::vector<int64_t>> inputs_, outputs_;
+  int64_t n_slots_;
+  std::vector<int64_t> qkv_;
+  int64_t attn_out_;
+};
+
 }  // namespace
 
 void bind_slice_program(py::module_& m) {
@@ -256,4 +334,15 @@ void bind_slice_program(py::module_& m) {
            "run(inputs: list[Tensor]) -> list[Tensor], the slice's outputs (GIL released)",
            py::call_guard<py::gil_scoped_release>())
       .def("__len__", &SliceProgram::size);
+  py::class_<StepProgram>(m, "StepProgram",
+                          "A lone micro-batch's step, every slice in C++ "
+                          "(lamina/computenode/native_slice.py step_program)")
+      .def(py::init<const py::list&, std::vector<std::vector<int64_t>>,
+                    std::vector<std::vector<int64_t>>, int64_t, std::vector<int64_t>, int64_t>(),
+           py::arg("programs"), py::arg("inputs"), py::arg("outputs"), py::arg("n_slots"),
+           py::arg("qkv"), py::arg("attn_out"))
+      .def("run", &StepProgram::run, py::arg("step_id"), py::arg("base"), py::arg("fn"),
+           py::arg("self"),
+           "run(step_id, base: list[Tensor], fn, self) -> (k, list[Tensor]): slice k's outputs, "
+           "k the last slice or the layer whose exchange declined (GIL released inside)");
 }

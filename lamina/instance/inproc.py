@@ -17,7 +17,8 @@ from lamina.config import PipelineConfig
 from lamina.engine.worker import WorkerClient, WorkerTimes
 from lamina.timeline import Timeline
 from lamina.transport.node_client import NodeClient
-from lamina.types import AttendMsg, NodeRoute, NodeStats, PrepareMsg, SamplingParams, StepPlan
+from lamina.types import (AttendMsg, NativeExchange, NodeRoute, NodeStats, PrepareMsg,
+                          SamplingParams, StepPlan)
 
 
 class InProcessReplicas(WorkerClient):
@@ -45,6 +46,9 @@ class InProcessReplicas(WorkerClient):
             self.nodes[node].send_prepare(msg)
         else:
             self.nodes[node].send_attend(msg)
+
+    def native_exchange(self, node: int) -> NativeExchange | None:
+        return self.nodes[node].native_exchange()
 
     def exchange(self, node: int, msg: AttendMsg) -> tuple[int, None]:
         self.nodes[node].send_attend(msg)

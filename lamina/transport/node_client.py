@@ -19,7 +19,7 @@ from lamina.errors import NodeFailure
 from lamina.transport import codec
 from lamina.transport.base import REPLY_TIMEOUT_S, Channel, ChannelClosed, PeerDied
 from lamina.transport.wire import Message, MsgKind
-from lamina.types import AttendMsg, AttendResult, KVChunk, NodeStats, PrepareMsg
+from lamina.types import AttendMsg, AttendResult, KVChunk, NativeExchange, NodeStats, PrepareMsg
 
 codec.register_error(NodeFailure)
 
@@ -68,6 +68,11 @@ class NodeClient(ABC):
         """Shard ``dst`` takes the slots of ``parts = [(src, start, end)]`` (prefix caching;
         waits)."""
 
+    def native_exchange(self) -> NativeExchange | None:
+        """The node's ATTEND as C++ in this process calls it, for a whole-step program
+        (:meth:`MemoryNode.native_exchange`); None where there is none (the default)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional
         pass
 
@@ -88,6 +93,9 @@ class InProcessNode(NodeClient):
 
     def recv_attend(self) -> AttendResult:
         return self._results.popleft()
+
+    def native_exchange(self) -> NativeExchange | None:
+        return None if self._results else self.node.native_exchange()
 
     def free(self, req_ids: list[int]) -> None:
         self.node.free(req_ids)

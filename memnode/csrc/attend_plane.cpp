@@ -35,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "exchange.h"
 #include "ring_io.h"
 
 namespace py = pybind11;
@@ -225,15 +226,41 @@ class AttendPlane {
   // computes or raises as usual). a < 0: the works from the layer's next one to the step's end.
   py::object attend(int64_t step_id, int64_t layer, int64_t a, int64_t b, const at::Tensor& q,
                     const at::Tensor& k, const at::Tensor& v) {
+    at::Tensor o, lse;
+    int64_t t0 = 0, t1 = 0;
+    bool ok;
+    {
+      py::gil_scoped_release nogil;
+      ok = attend_tensors(step_id, layer, a, b, q, k, v, &o, &lse, &t0, &t1);
+    }
+    if (!ok) return py::none();
+    return py::make_tuple(o, lse, t0, t1);
+  }
+
+  // The plane as an ExchangeFn (exchange.h) for a whole-step program in this process, under the
+  // same rule as attend(): the whole layer, one node holding every key of the step's requests.
+  static bool exchange(void* self, int64_t step_id, int64_t layer, const at::Tensor& q,
+                       const at::Tensor& k, const at::Tensor& v, at::Tensor* o) {
+    at::Tensor lse;
+    int64_t t0, t1;
+    return static_cast<AttendPlane*>(self)->attend_tensors(step_id, layer, -1, -1, q, k, v, o,
+                                                           &lse, &t0, &t1);
+  }
+
+ private:
+  // attend()'s work, without the GIL: false where Python must answer.
+  bool attend_tensors(int64_t step_id, int64_t layer, int64_t a, int64_t b, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& v, at::Tensor* o, at::Tensor* lse,
+                      int64_t* t0, int64_t* t1) {
     auto it = steps_.find(step_id);
     auto li_it = layer_index_.find(layer);
-    if (it == steps_.end() || li_it == layer_index_.end()) return py::none();
+    if (it == steps_.end() || li_it == layer_index_.end()) return false;
     Step& step = it->second;
     const int64_t li = li_it->second, R = step.works;
     const int64_t first = step.progress.data_ptr<int64_t>()[li];
-    if (first < 0) return py::none();
+    if (first < 0) return false;
     if (a < 0) a = first, b = R;
-    if (a != first || !((a < b && b <= R) || (a == b && b == R && R == 0))) return py::none();
+    if (a != first || !((a < b && b <= R) || (a == b && b == R && R == 0))) return false;
     const LayerSpec& sp = specs_[li];
     const int64_t* qi = step.q_indptr.data_ptr<int64_t>();
     const int64_t* ai = step.a_indptr.data_ptr<int64_t>();
@@ -246,23 +273,16 @@ class AttendPlane {
     const int64_t nq = qi[b] - qi[a], na = ai[b] - ai[a];
     if (!is(q, nq, sp.heads, sp.dim) || !is(k, na, sp.kv_heads, sp.dim) ||
         !is(v, na, sp.kv_heads, sp.dim))
-      return py::none();
-    const int64_t t0 = now_ns();
-    at::Tensor o, lse;
-    bool ok;
-    {
-      py::gil_scoped_release nogil;
-      ok = run(step, li, a, b, q, k, v, &o, &lse);
-    }
-    if (!ok) return py::none();
+      return false;
+    *t0 = now_ns();
+    if (!run(step, li, a, b, q, k, v, o, lse)) return false;
     advance(it, li, b);
-    const int64_t t1 = now_ns();
-    attend_ns_ += t1 - t0;
+    *t1 = now_ns();
+    attend_ns_ += *t1 - *t0;
     ++served_;
-    return py::make_tuple(o, lse, t0, t1);
+    return true;
   }
 
- private:
   // this end (reader) or the peer (writer) closed the ring: back to Python, which raises
   static bool closed(const Ring& rx) {
     return rx.load(kReaderClosed) != 0 || rx.load(kWriterClosed) != 0;
@@ -508,11 +528,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attend", &AttendPlane::attend,
            "attend(step_id, layer, a, b, q, k, v) -> (o, lse, t0, t1) | None: an ATTEND in "
            "this process (a < 0: the whole rest of the layer)")
+      .def("handle",
+           [](AttendPlane& p) { return py::capsule(static_cast<void*>(&p), "lamina.plane"); },
+           "handle() -> the plane as exchange_fn's self (valid while the plane lives)")
       .def("serve", &AttendPlane::serve,
            "serve(ctl, data, cap, tail_addr, data_bell, space_bell, spin_ns, yield_every, "
            "budget_ns) -> IDLE | HANDOFF")
       .def_property_readonly("attend_ns", &AttendPlane::attend_ns)
       .def_property_readonly("served", &AttendPlane::served);
+  m.attr("exchange_fn") = py::capsule(reinterpret_cast<void*>(&AttendPlane::exchange),
+                                       kExchangeCapsule);
   m.attr("IDLE") = kIdle;
   m.attr("HANDOFF") = kHandoff;
 }

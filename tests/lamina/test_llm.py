@@ -151,14 +151,17 @@ def test_an_unexpected_step_error_ends_the_running_requests_and_the_rest_go_on(f
         running = d.add_request([5, 6, 7], params)
         waiting = d.add_request([9, 8, 7], params)  # max_num_seqs=1: waits for the first
         d.step()
-        real, calls = ComputeReplica.run_slice, []
+        calls = []
 
-        def once(self, k, values):
-            if not calls:
-                calls.append(k)
-                raise RuntimeError("a bug in a slice")
-            return real(self, k, values)
-        monkeypatch.setattr(ComputeReplica, "run_slice", once)  # the restarted one too
+        def once(real):
+            def run(self, *args):
+                if not calls:
+                    calls.append(real.__name__)
+                    raise RuntimeError("a bug in a slice")
+                return real(self, *args)
+            return run
+        for name in ("run_slice", "run_step"):  # a slice at a time, or the whole step in C++
+            monkeypatch.setattr(ComputeReplica, name, once(getattr(ComputeReplica, name)))
         while d.has_work():
             d.step()
         assert calls and d.recoveries == 1
