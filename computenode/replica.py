@@ -68,12 +68,14 @@ class ComputeReplica:
 
     def run_step(self, step_id: int, values: dict[str, torch.Tensor], exchange: NativeExchange):
         """Slices 0, 1, ... of step ``step_id`` in one C++ call from :meth:`begin`'s ``values``,
-        each layer's attention by ``exchange`` (needs :attr:`step`). Returns ``(k, context,
-        qkv, logits)``: :meth:`run_slice`'s result for slice k, the last slice or the layer
-        whose exchange declined (its ATTEND is the caller's to send)."""
-        k, out = self.step.run(step_id, [values[n] for n in STEP_INPUTS], exchange.fn,
-                               exchange.obj)
-        return (k, *self.split.outcome(k, values, dict(zip(self.split.infos[k].outputs, out))))
+        each layer's attention by ``exchange`` (needs :attr:`step`). Returns ``(k, sent,
+        context, qkv, logits)``: :meth:`run_slice`'s result for slice k, the last slice or the
+        layer whose exchange did not answer: its ATTEND is the caller's to send, or, ``sent``,
+        out already with its RESULT the caller's to receive."""
+        k, sent, out = self.step.run(step_id, [values[n] for n in STEP_INPUTS], exchange.fn,
+                                     exchange.obj)
+        outs = dict(zip(self.split.infos[k].outputs, out))
+        return (k, sent, *self.split.outcome(k, values, outs))
 
     def runner(self):
         """What runs a slice (``SplitModel.advance``'s ``run``): the CUDA graphs, else the C++

@@ -17,10 +17,11 @@ A slice is ready when its context is here and, past slice 0, every ATTEND part o
 layer has its RESULT. Running it merges those results exactly (log-sum-exp), runs the slice
 (or lands it, pre-launched behind a device flag: :mod:`lamina.computenode.polling`), then sends
 the layer's ATTENDs with ``reply_to`` the peer id of the replica that runs the next slice, or
-samples after the last slice. A lone micro-batch whose node answers ATTENDs in C++ in this
-process runs its whole step in one C++ call instead (:meth:`ComputeReplica.run_step`; not while
-a timeline records, since it has no per-slice spans). Timeline spans (compute: ``slice k``, ``send``, ``recv`` (the
-merge), ``slice k + sample``; memory: ``attend k``) go to the ``span`` callback.
+samples after the last slice. A lone micro-batch whose node's ATTEND C++ can call (a plane in
+this process, a ring to the node's process) runs its whole step in one C++ call instead
+(:meth:`ComputeReplica.run_step`; not while a timeline records, since it has no per-slice
+spans). Timeline spans (compute: ``slice k``, ``send``, ``recv`` (the merge),
+``slice k + sample``; memory: ``attend k``) go to the ``span`` callback.
 """
 from __future__ import annotations
 
@@ -80,9 +81,15 @@ class Port(Protocol):
 
     def to_engine(self, mb: MicroBatch, tokens: list[int]) -> None: ...
 
-    def native_exchange(self, node: int) -> NativeExchange | None:
-        """Node ``node``'s ATTEND as C++ in this process calls it (a whole step of a lone
-        micro-batch then runs in one call: :meth:`ComputeReplica.run_step`), or None."""
+    def native_exchange(self, node: int, reply_to: int) -> NativeExchange | None:
+        """Node ``node``'s ATTEND (RESULTs to peer ``reply_to``) as C++ in this process calls
+        it (a whole step of a lone micro-batch then runs in one call:
+        :meth:`ComputeReplica.run_step`), or None."""
+
+    def collect(self, node: int, step_id: int, layer: int) -> AttendResult | None:
+        """The RESULT of an ATTEND a native exchange sent but did not take, waited for here as
+        :meth:`exchange` waits; None where it comes the usual way
+        (:meth:`SliceRunner.on_result`)."""
 
     def exchange(self, node: int, msg: AttendMsg) -> tuple[int, AttendResult | None]:
         """Send ``msg`` to node ``node`` (as :meth:`to_node`) and wait right here for its
@@ -218,7 +225,7 @@ class SliceRunner:
         if replica is None or replica.step is None or \
                 any(self.replica_of(mb, k) != here for k in range(1, len(replica.split.slices))):
             return None
-        return self.port.native_exchange(mb.routes[0].node)
+        return self.port.native_exchange(mb.routes[0].node, self.peer_base + here)
 
     def _run_step(self, mb: MicroBatch, exchange: NativeExchange) -> AttendResult | None:
         """``mb``'s step by one C++ call from slice 0; where a layer's exchange declined, its
@@ -227,17 +234,14 @@ class SliceRunner:
         replica = self.replicas[here]
         try:
             try:
-                k, context, qkv, logits = replica.run_step(mb.step_id, mb.values, exchange)
+                k, sent, context, qkv, logits = replica.run_step(mb.step_id, mb.values, exchange)
             finally:
                 exchange.done()
-            tokens = None if context is not None else \
-                replica.sample(logits, mb.req_ids, mb.params, mb.uniforms).tolist()
+            tokens = self._tokens(replica, mb, context, logits)
         except Exception as e:  # noqa: BLE001 -- this micro-batch fails; the others go on
-            self.drop(mb.step_id)
-            self.port.failed(mb, e)
-            return None
+            return self._fail(mb, e)
         mb.k = k
-        return self._then(mb, here, context, qkv, tokens)
+        return self._then(mb, here, context, qkv, tokens, sent)
 
     def _run_one(self, mb: MicroBatch, got: AttendResult | None) -> AttendResult | None:
         """Slice ``mb.k`` (on ``got``, else on the filed results), then its sends; the RESULT of
@@ -259,12 +263,9 @@ class SliceRunner:
                 context, qkv, logits = self.polling.land(ahead, o)
             else:
                 context, qkv, logits = replica.run_slice(k, mb.values)
-            tokens = None if context is not None else \
-                replica.sample(logits, mb.req_ids, mb.params, mb.uniforms).tolist()
+            tokens = self._tokens(replica, mb, context, logits)
         except Exception as e:  # noqa: BLE001 -- this micro-batch fails; the others go on
-            self.drop(mb.step_id)
-            self.port.failed(mb, e)
-            return None
+            return self._fail(mb, e)
         t2 = time.perf_counter_ns()
         if self.span is not None:
             if k > 0:
@@ -273,11 +274,24 @@ class SliceRunner:
                       + (" (landed)" if ahead is not None else ""), t1, t2, mb)
         return self._then(mb, here, context, qkv, tokens)
 
+    @staticmethod
+    def _tokens(replica: ComputeReplica, mb: MicroBatch, context, logits) -> list[int] | None:
+        """The sampled tokens after the last slice (``context`` None), else None."""
+        if context is not None:
+            return None
+        return replica.sample(logits, mb.req_ids, mb.params, mb.uniforms).tolist()
+
+    def _fail(self, mb: MicroBatch, error: Exception) -> None:
+        self.drop(mb.step_id)
+        self.port.failed(mb, error)
+
     def _then(self, mb: MicroBatch, here: int, context: dict[str, torch.Tensor] | None,
-              qkv: tuple | None, tokens: list[int] | None) -> AttendResult | None:
+              qkv: tuple | None, tokens: list[int] | None,
+              sent: bool = False) -> AttendResult | None:
         """After slice ``mb.k`` ran on replica ``here``: the tokens to the engine (the last
-        slice), else the layer's ATTENDs out and the context to the next slice's replica. The
-        RESULT where it was waited for in place (:meth:`Port.exchange`)."""
+        slice), else the layer's ATTENDs out (``sent``: its one ATTEND is out already, by a
+        native exchange) and the context to the next slice's replica. The RESULT where it was
+        waited for in place (:meth:`Port.exchange`, :meth:`Port.collect`)."""
         k, plan = mb.k, mb.plan
         t2 = time.perf_counter_ns()
         if tokens is not None:
@@ -291,8 +305,11 @@ class SliceRunner:
             # one ATTEND of every row, and nothing else can run here before its RESULT: send
             # it and wait for the RESULT in place
             parts = [1]
-            sent_ns, got = self.port.exchange(mb.routes[0].node,
-                                              AttendMsg(plan.step_id, k, *qkv, reply_to))
+            if sent:
+                sent_ns, got = t2, self.port.collect(mb.routes[0].node, plan.step_id, k)
+            else:
+                sent_ns, got = self.port.exchange(mb.routes[0].node,
+                                                  AttendMsg(plan.step_id, k, *qkv, reply_to))
         else:
             msgs = attend_messages(plan.step_id, k, mb.routes, *qkv, reply_to=reply_to,
                                    parts=self.pipeline.attn_parts)
@@ -341,5 +358,4 @@ class SliceRunner:
         try:
             mb.ahead = self.polling.prelaunch(mb.slot, q, run)
         except Exception as e:  # noqa: BLE001
-            self.drop(mb.step_id)
-            self.port.failed(mb, e)
+            self._fail(mb, e)

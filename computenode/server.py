@@ -48,7 +48,7 @@ from lamina.transport.endpoint import SPIN_US, connect, listen
 from lamina.transport.ring import RingChannel
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport.wire import Message, MsgKind
-from lamina.types import AttendMsg, AttendResult, PrepareMsg
+from lamina.types import AttendMsg, AttendResult, NativeExchange, PrepareMsg
 
 codec.register_error(NodeFailure)
 
@@ -295,8 +295,19 @@ class ReplicaServer:
     def to_node(self, node: int, msg: PrepareMsg | AttendMsg) -> None:
         self._send(("node", node), codec.to_message(msg))
 
-    def native_exchange(self, node: int) -> None:
-        return None  # the nodes are in other processes: no whole-step program here yet
+    def native_exchange(self, node: int, reply_to: int) -> NativeExchange | None:
+        """The ring to node ``node`` as a C++ exchange for a whole step, where this thread
+        receives that link itself and nothing waits on it (as :meth:`exchange` requires). The
+        PREPARE's OK, which the main loop would ignore (:meth:`_file`), is dropped there."""
+        i = self.inbox.index(("node", node))
+        if i < 0 or self.inbox.pending(i):
+            return None
+        native = getattr(self.inbox.direct[i][1], "native_exchange", None)
+        return None if native is None else native(MsgKind.ATTEND, reply_to, MsgKind.RESULT,
+                                                  *self.inbox.spin, skip=MsgKind.OK)
+
+    def collect(self, node: int, step_id: int, layer: int) -> AttendResult | None:
+        return self._await_result(self.inbox.index(("node", node)), step_id, layer)
 
     def exchange(self, node: int, msg: AttendMsg) -> tuple[int, AttendResult | None]:
         """Send ``msg`` to node ``node`` and, where this thread receives that link itself, wait

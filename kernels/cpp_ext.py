@@ -31,21 +31,20 @@ from typing import Callable
 
 import torch
 
-from lamina.build import CFLAGS, Extension, cache_root, extra_cflags
+from lamina.build import CFLAGS, EXCHANGE_HEADER, Extension, cache_root, extra_cflags
 from lamina.build import compiler as _compiler
 from lamina.kernels.reference import check_shapes
 from lamina.types import AttentionSpec
 
 __all__ = ["CFLAGS", "SOURCES", "HEADERS", "load", "available", "build_error", "build_key",
            "cache_root", "extra_cflags", "cpp_eligible", "attention_fn", "paged_attention_cpp",
-           "_compiler", "EXCHANGE_HEADER"]
+           "_compiler"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp",
                                           "quant_linear_cpu.cpp", "quant_dot_cpu.cpp",
                                           "fused_cpu.cpp", "slice_program.cpp",
                                           "bindings.cpp"))
-EXCHANGE_HEADER = _CSRC / "exchange.h"  # a step program's contract with a memory node's plane
 HEADERS = (_CSRC / "simd.h", _CSRC / "ggml_blocks.h", _CSRC / "cpu_kernels.h", EXCHANGE_HEADER)
 POOLS = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
          (torch.int8, torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn),

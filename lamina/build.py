@@ -32,6 +32,9 @@ import torch
 from lamina import env
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# the contract between a whole-step program (kernels) and what answers its layers' attention
+# without Python (a memory node's plane, a ring to a node's process): one header for them all
+EXCHANGE_HEADER = Path(__file__).resolve().parent / "csrc" / "exchange.h"
 LDFLAGS = ("-fopenmp",)
 
 

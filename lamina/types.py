@@ -167,10 +167,11 @@ class AttendResult:
 
 @dataclass(frozen=True)
 class NativeExchange:
-    """A memory node in this process that attends without Python, for a whole-step program
-    (``kernels/csrc/exchange.h``): ``fn`` the ``ExchangeFn`` capsule, ``obj`` the capsule of
-    its ``self``; ``done()``, called once after a step that used it, ends on the node the steps
-    whose last layer it attended."""
+    """A memory node's ATTEND that a whole-step program calls without Python
+    (``lamina/csrc/exchange.h``: a plane in this process, a ring to a node's process): ``fn``
+    the ``ExchangeFn`` capsule, ``obj`` the capsule of its ``self``; ``done()``, called once
+    after a step that used it (a plane: end the steps whose last layer it attended; a ring:
+    release the channel's locks)."""
 
     fn: Any
     obj: Any

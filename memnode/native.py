@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lamina.build import Extension
+from lamina.build import EXCHANGE_HEADER, Extension
 from lamina.config import kernels_in_use
 from lamina.kernels import cpp_ext
 from lamina.kernels.dispatch import backend_for
@@ -48,7 +48,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _RING = Path(shm_fast.__file__).resolve().parent / "csrc"
 EXTENSION = Extension("lamina_attend_plane", (_CSRC / "attend_plane.cpp",),
                       headers=(_RING / "ring_layout.h", _RING / "ring_io.h",
-                               cpp_ext.EXCHANGE_HEADER),
+                               EXCHANGE_HEADER),
                       fallback="the Python ATTEND path")
 IDLE, HANDOFF = 0, 1  # NativePlane.serve's results (checked against the module's at load)
 

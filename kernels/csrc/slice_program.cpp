@@ -279,10 +279,11 @@ class StepProgram {
                 "StepProgram: slot out of range");
   }
 
-  // Slots 0.. hold `base`; the slices run from 0 with the GIL released. Returns (k, slice k's
-  // outputs): k the last slice (the step is done), or the layer whose exchange declined (its
-  // ATTEND is the caller's to send). fn / self: an ExchangeFn capsule and its object.
-  std::tuple<int64_t, std::vector<at::Tensor>> run(int64_t step_id,
+  // Slots 0.. hold `base`; the slices run from 0 with the GIL released. Returns (k, sent, slice
+  // k's outputs): k the last slice (the step is done), or the layer whose exchange did not
+  // answer: its ATTEND is the caller's to send (sent false) or, out already, its RESULT the
+  // caller's to receive (sent true). fn / self: an ExchangeFn capsule and its object.
+  std::tuple<int64_t, bool, std::vector<at::Tensor>> run(int64_t step_id,
                                                    const std::vector<at::Tensor>& base,
                                                    const py::capsule& fn,
                                                    const py::capsule& self) const {
@@ -305,11 +306,12 @@ class StepProgram {
         args.push_back(slots[s]);
       }
       std::vector<at::Tensor> out = programs_[k]->run(args);
-      if (k == last) return {k, std::move(out)};
+      if (k == last) return {k, false, std::move(out)};
       for (size_t j = 0; j < out.size(); ++j) slots[outputs_[k][j]] = out[j];
       at::Tensor o;
-      if (!exchange(obj, step_id, k, slots[qkv_[0]], slots[qkv_[1]], slots[qkv_[2]], &o))
-        return {k, std::move(out)};
+      const int status = exchange(obj, step_id, k, slots[qkv_[0]], slots[qkv_[1]],
+                                  slots[qkv_[2]], &o);
+      if (status != kAnswered) return {k, status == kSentOnly, std::move(out)};
       slots[attn_out_] = std::move(o);
     }
   }
@@ -343,6 +345,7 @@ void bind_slice_program(py::module_& m) {
            py::arg("qkv"), py::arg("attn_out"))
       .def("run", &StepProgram::run, py::arg("step_id"), py::arg("base"), py::arg("fn"),
            py::arg("self"),
-           "run(step_id, base: list[Tensor], fn, self) -> (k, list[Tensor]): slice k's outputs, "
-           "k the last slice or the layer whose exchange declined (GIL released inside)");
+           "run(step_id, base: list[Tensor], fn, self) -> (k, sent, list[Tensor]): slice k's "
+           "outputs, k the last slice or the layer whose exchange did not answer (sent: its "
+           "ATTEND is out) (GIL released inside)");
 }

@@ -47,8 +47,11 @@ class InProcessReplicas(WorkerClient):
         else:
             self.nodes[node].send_attend(msg)
 
-    def native_exchange(self, node: int) -> NativeExchange | None:
+    def native_exchange(self, node: int, reply_to: int) -> NativeExchange | None:
         return self.nodes[node].native_exchange()
+
+    def collect(self, node: int, step_id: int, layer: int) -> None:
+        raise AssertionError("an in-process node's exchange answers or declines")
 
     def exchange(self, node: int, msg: AttendMsg) -> tuple[int, None]:
         self.nodes[node].send_attend(msg)

@@ -21,6 +21,7 @@ from lamina.transport.shm_fast import EMPTY, HELD, SENT, SENT_WAKE, STREAM, TAKE
 from lamina.transport.stream import StreamDecoder
 from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError, WireLimits,
                                    decode_kind, decode_meta, encode, encode_meta)
+from lamina.types import NativeExchange
 
 _KINDS = frozenset(int(k) for k in MsgKind)
 FULL_POLL_S = 1e-3  # how often a send waiting for room calls its while_full
@@ -262,6 +263,31 @@ class RingChannel(Channel):
                         return sent_ns, got
         self.send(Message(kind, step_id, layer, reply_to, tensors=tensors))
         return time.perf_counter_ns(), None
+
+    def native_exchange(self, kind: MsgKind, reply_to: int, reply: MsgKind, spin_ns: int,
+                        yield_every: int, skip: MsgKind | None = None) -> NativeExchange | None:
+        """:meth:`exchange` as a C++ function (``lamina/csrc/exchange.h``) for a whole-step
+        program: each call sends a ``kind`` message of q/k/v with ``reply_to`` and takes its
+        ``reply`` as :meth:`exchange` does (a reply not taken is then :meth:`recv`'s), first
+        dropping any ``skip`` messages without tensors or meta that come before it. This
+        end's send and receive locks are held from here until the result's ``done()`` (its
+        caller is this end's only receiver); None, holding nothing, where there is no native
+        exchange or a message is half decoded."""
+        if self._exchange is None:
+            return None
+        self._tx_lock.acquire()
+        self._rx_lock.acquire()
+        if self._closed or self._dec.in_progress:
+            self._rx_lock.release()
+            self._tx_lock.release()
+            return None
+        end = self._fast.RingExchange(*self._exchange.args, reply_to, int(kind), int(reply),
+                                      spin_ns, yield_every, -1 if skip is None else int(skip))
+
+        def done(end=end) -> None:  # ``end`` lives as long as the exchange may be called
+            self._rx_lock.release()
+            self._tx_lock.release()
+        return NativeExchange(self._fast.exchange_fn, end.handle(), done)
 
     # ------------------------------------------------------------------ native consumers
     def native_tx(self) -> tuple[int, int, int, int, int] | None:

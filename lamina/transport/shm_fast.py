@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from lamina.build import Extension
+from lamina.build import EXCHANGE_HEADER, Extension
 from lamina.config import kernels_in_use
 from lamina.transport import ring_memory, wire
 
@@ -81,7 +81,7 @@ CTL_WORDS = ("HEAD", "TAIL", "R_WAIT", "W_WAIT", "W_CLOSED", "R_CLOSED")  # the 
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 EXTENSION = Extension("lamina_shm_ring", (_CSRC / "shm_ring.cpp",),
-                      headers=(_CSRC / "ring_layout.h", _CSRC / "ring_io.h"),
+                      headers=(_CSRC / "ring_layout.h", _CSRC / "ring_io.h", EXCHANGE_HEADER),
                       fallback="the Python ring code")
 _checked: weakref.WeakSet[ModuleType] = weakref.WeakSet()  # the modules whose layout matched
 

@@ -239,12 +239,14 @@ class AttendPlane {
 
   // The plane as an ExchangeFn (exchange.h) for a whole-step program in this process, under the
   // same rule as attend(): the whole layer, one node holding every key of the step's requests.
-  static bool exchange(void* self, int64_t step_id, int64_t layer, const at::Tensor& q,
-                       const at::Tensor& k, const at::Tensor& v, at::Tensor* o) {
+  static int exchange(void* self, int64_t step_id, int64_t layer, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& v, at::Tensor* o) {
     at::Tensor lse;
     int64_t t0, t1;
     return static_cast<AttendPlane*>(self)->attend_tensors(step_id, layer, -1, -1, q, k, v, o,
-                                                           &lse, &t0, &t1);
+                                                           &lse, &t0, &t1)
+               ? kAnswered
+               : kDeclined;
   }
 
  private:

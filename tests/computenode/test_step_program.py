@@ -2,9 +2,12 @@
 chained, each layer attended by the memory node's plane) computes what the slice-at-a-time path
 computes, bit for bit, and leaves the node in the same state; where a layer's exchange declines,
 the caller takes over at that layer and still gets the same; an in-process ``LLM`` runs its
-lone micro-batches this way and matches transformers."""
+lone micro-batches this way and matches transformers; a replica process's ring exchange does the
+same over shared memory."""
 import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -14,9 +17,13 @@ from lamina.computenode.replica import ComputeReplica
 from lamina.kernels import cpp_ext
 from lamina.memnode.native import plane_for, unavailable
 from lamina.memnode.node import MemoryNode
+from lamina.memnode.server import handle
 from lamina.splitter import split_model
 from lamina.splitter.slices import ATTN_OUT
-from lamina.types import AttendMsg, PrepareMsg, ShardWork
+from lamina.transport import codec
+from lamina.transport.shm import shm_pair
+from lamina.transport.wire import MsgKind
+from lamina.types import AttendMsg, AttendResult, PrepareMsg, ShardWork
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
@@ -46,13 +53,14 @@ def _values(split, ids, pos):
     return split.start(torch.tensor(ids), torch.tensor(pos), torch.tensor([len(ids) - 1]))
 
 
-def _stepwise(replica, node, step_id, values, k=0):
-    """The slice-at-a-time path from slice k: the logits of the last slice."""
+def _stepwise(replica, attend, step_id, values, k=0):
+    """The slice-at-a-time path from slice k, ``attend(AttendMsg) -> AttendResult`` for each
+    layer: the logits of the last slice."""
     while True:
         context, qkv, logits = replica.run_slice(k, values)
         if context is None:
             return logits
-        context[ATTN_OUT] = node.attend(AttendMsg(step_id, k, *qkv)).o
+        context[ATTN_OUT] = attend(AttendMsg(step_id, k, *qkv)).o
         values, k = context, k + 1
 
 
@@ -66,10 +74,11 @@ def test_a_whole_step_is_the_stepwise_path_bit_for_bit(arch):
         for node in (one, other):
             node.prepare(PrepareMsg(step_id, works))
         exchange = one.native_exchange()
-        k, context, qkv, got = replica.run_step(step_id, _values(split, ids, pos), exchange)
+        k, sent, context, qkv, got = replica.run_step(step_id, _values(split, ids, pos),
+                                                      exchange)
         exchange.done()
-        assert (k, context, qkv) == (split.num_layers, None, None)
-        want = _stepwise(replica, other, step_id, _values(split, ids, pos))
+        assert (k, sent, context, qkv) == (split.num_layers, False, None, None)
+        want = _stepwise(replica, other.attend, step_id, _values(split, ids, pos))
         assert torch.equal(got, want)
     assert torch.equal(one.pool.k_cache, other.pool.k_cache)
     assert torch.equal(one.pool.v_cache, other.pool.v_cache)
@@ -84,13 +93,13 @@ def test_a_layer_the_exchange_declines_is_the_callers_from_there():
         node.prepare(PrepareMsg(step_id, works))
     progress = one._steps[step_id].progress  # shared with the plane: layer 1 looks attended
     progress[1] = -1
-    k, context, qkv, logits = replica.run_step(step_id, _values(split, ids, pos),
-                                               one.native_exchange())
-    assert k == 1 and logits is None and context is not None
+    k, sent, context, qkv, logits = replica.run_step(step_id, _values(split, ids, pos),
+                                                     one.native_exchange())
+    assert k == 1 and not sent and logits is None and context is not None
     progress[1] = 0
     context[ATTN_OUT] = one.attend(AttendMsg(step_id, 1, *qkv)).o  # the Python way
-    got = _stepwise(replica, one, step_id, context, 2)
-    assert torch.equal(got, _stepwise(replica, other, step_id, _values(split, ids, pos)))
+    got = _stepwise(replica, one.attend, step_id, context, 2)
+    assert torch.equal(got, _stepwise(replica, other.attend, step_id, _values(split, ids, pos)))
 
 
 def test_an_in_process_llm_runs_lone_steps_whole_and_matches_transformers(tmp_path,
@@ -112,3 +121,77 @@ def test_an_in_process_llm_runs_lone_steps_whole_and_matches_transformers(tmp_pa
                                                     ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == want
     assert len(whole) == 8 and all(whole)  # every step, prefill included, in one call
+
+
+class RingNode:
+    """``node`` served over a shm link by a thread (as a node's process serves its rings):
+    ``client`` is the replica's end. ``delay``: layer -> seconds to wait before answering."""
+
+    def __init__(self, node: MemoryNode, delay: dict[int, float] | None = None) -> None:
+        self.node, self.delay = node, delay or {}
+        self.client, self.end = shm_pair(capacity=1 << 22, spin_us=0.0, wake_interval=0.002)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                msg = self.end.recv(0.05)
+            except TimeoutError:
+                continue
+            if msg.kind == MsgKind.ATTEND:
+                time.sleep(self.delay.get(msg.layer, 0.0))
+            self.end.send(handle(self.node, msg))
+
+    def prepare(self, msg: PrepareMsg, wait: bool = True) -> None:
+        """PREPARE; ``wait``: take its OK here (else it stays first in the ring)."""
+        self.client.send(codec.to_message(msg))
+        if wait:
+            assert self.client.recv(5).kind == MsgKind.OK
+
+    def attend(self, msg: AttendMsg) -> AttendResult:  # the Python way
+        self.client.send(codec.to_message(msg))
+        return codec.from_message(self.client.recv(5))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.client.close()
+        self.end.close()
+
+
+@pytest.mark.parametrize("late", [None, 1])  # the tiny llama has 2 layers
+def test_a_whole_step_over_a_ring_is_the_stepwise_path(late):
+    """A replica process's exchange (lamina/transport/csrc/shm_ring.cpp RingExchange): every
+    layer answered in the call, or, where a RESULT comes late (layer ``late``), the call
+    returns with that layer's ATTEND out and the caller receives its RESULT and goes on. In
+    time, the PREPARE's OK is left in the ring for the exchange to drop (as a replica's is)."""
+    replica = ComputeReplica(split_model(tiny_model("llama")), "cpu")
+    split = replica.split
+    ring = RingNode(MemoryNode(split.specs, 256, slab_size=8),
+                    {late: 0.2} if late is not None else None)
+    other = MemoryNode(split.specs, 256, slab_size=8)
+    try:
+        for step_id, works, ids, pos in _steps():
+            ring.prepare(PrepareMsg(step_id, works), wait=late is not None)
+            other.prepare(PrepareMsg(step_id, works))
+            want = _stepwise(replica, other.attend, step_id, _values(split, ids, pos))
+            exchange = ring.client.native_exchange(MsgKind.ATTEND, 0, MsgKind.RESULT,
+                                                   int(0.05e9), 0,  # waits ~50 ms a layer
+                                                   skip=MsgKind.OK)
+            assert exchange is not None
+            try:
+                k, sent, context, qkv, got = replica.run_step(step_id, _values(split, ids, pos),
+                                                              exchange)
+            finally:
+                exchange.done()
+            if late is None:
+                assert (k, sent) == (split.num_layers, False)
+            else:
+                assert (k, sent) == (late, True)
+                context[ATTN_OUT] = codec.from_message(ring.client.recv(5)).o
+                got = _stepwise(replica, ring.attend, step_id, context, late + 1)
+            assert torch.equal(got, want)
+    finally:
+        ring.close()

@@ -84,6 +84,7 @@ inline bool well_formed(const Header& hd, const Desc* descs, const Limits& lim) 
 // exception" on the role's stderr at exit).
 template <typename Fn>
 auto without_gil(Fn fn) {
+  if (!PyGILState_Check()) return fn();  // a native caller that holds no GIL (a step program)
   PyThreadState* state = PyEval_SaveThread();
   auto out = fn();
   PyEval_RestoreThread(state);

@@ -28,6 +28,7 @@
 #include <tuple>
 #include <vector>
 
+#include "exchange.h"
 #include "ring_io.h"
 
 namespace py = pybind11;
@@ -119,7 +120,7 @@ class Writer {
     hd.total = static_cast<uint64_t>(total);
     {
       std::optional<py::gil_scoped_release> nogil;  // large copies let other threads run
-      if (total > kNoGilBytes) nogil.emplace();
+      if (total > kNoGilBytes && PyGILState_Check()) nogil.emplace();
       uint64_t at = h;
       ring_.put(at, &hd, kHeaderBytes), at += kHeaderBytes;
       if (n) ring_.put(at, descs, n * kDescBytes), at += n * kDescBytes;
@@ -231,7 +232,7 @@ class Reader {
     out.reserve(hd.num_tensors);
     {
       std::optional<py::gil_scoped_release> nogil;
-      if (total > kNoGilBytes) nogil.emplace();
+      if (total > kNoGilBytes && PyGILState_Check()) nogil.emplace();
       if (hd.meta_len) ring_.get(t + kHeaderBytes + hd.num_tensors * kDescBytes, meta.data(),
                                  hd.meta_len);
       uint64_t at = t + align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
@@ -277,34 +278,99 @@ class Reader {
 // Python way); kEmpty: sent, nothing arrived within the wait; kStream: sent, the next message
 // is recv()'s; kTaken: sent, and the reply's tensors (fresh; its bytes freed). sent_ns: when
 // the message was in the ring (time.perf_counter_ns's clock).
+int64_t exchange_core(Writer& w, Reader& r, int tx_bell, int rx_bell, int64_t sleep_ns,
+                      int space_bell, int64_t step_id, int64_t layer, int64_t reply_to,
+                      const std::vector<at::Tensor>& tensors, int64_t kind, int64_t reply_kind,
+                      int64_t spin_ns, int64_t yield_every, int64_t skip_kind,
+                      int64_t* sent_ns, std::vector<at::Tensor>* got) {
+  int64_t sent = kIneligible;
+  try {
+    sent = w.send(kind, step_id, layer, reply_to, std::string(), tensors);
+  } catch (const c10::Error&) {
+  }
+  *sent_ns = 0;
+  if (sent != kSent && sent != kSentWake) return sent;
+  *sent_ns = now_ns();
+  if (sent == kSentWake) ring_bell(tx_bell);
+  for (;;) {
+    if (!r.arrive(spin_ns, yield_every, yield_every > 0 ? -1 : rx_bell, sleep_ns)) return kEmpty;
+    Header hd;
+    Desc descs[kMaxDescs];
+    if (r.peek(hd, descs) != kTaken) return kStream;
+    std::string meta;
+    if (hd.kind == skip_kind && hd.num_tensors == 0 && hd.meta_len == 0) {  // dropped
+      r.read(hd, descs, meta);
+      if (r.commit() == kTakenWake) ring_bell(space_bell);
+      continue;
+    }
+    if (hd.kind != reply_kind || hd.step_id != step_id || hd.layer != layer || hd.meta_len)
+      return kStream;
+    *got = r.read(hd, descs, meta);
+    if (r.commit() == kTakenWake) ring_bell(space_bell);
+    return kTaken;
+  }
+}
+
 py::tuple exchange(Writer& w, Reader& r, int tx_bell, int rx_bell, int64_t sleep_ns,
                    int space_bell, int64_t step_id, int64_t layer, int64_t reply_to,
                    py::handle tensors, int64_t kind, int64_t reply_kind, int64_t spin_ns,
                    int64_t yield_every) {
-  int64_t sent = kIneligible;
+  std::vector<at::Tensor> ts, out;
   try {
-    sent = w.send(kind, step_id, layer, reply_to, std::string(),
-                  tensors.cast<std::vector<at::Tensor>>());
+    ts = tensors.cast<std::vector<at::Tensor>>();
   } catch (const py::cast_error&) {
-  } catch (const c10::Error&) {
+    return py::make_tuple(kIneligible, 0, py::none());
   }
-  if (sent != kSent && sent != kSentWake) return py::make_tuple(sent, 0, py::none());
-  const int64_t sent_ns = now_ns();
-  if (sent == kSentWake) ring_bell(tx_bell);
-  if (!r.arrive(spin_ns, yield_every, yield_every > 0 ? -1 : rx_bell, sleep_ns))
-    return py::make_tuple(kEmpty, sent_ns, py::none());
-  Header hd;
-  Desc descs[kMaxDescs];
-  if (r.peek(hd, descs) != kTaken || hd.kind != reply_kind || hd.step_id != step_id ||
-      hd.layer != layer || hd.meta_len)
-    return py::make_tuple(kStream, sent_ns, py::none());
-  std::string meta;
-  std::vector<at::Tensor> out = r.read(hd, descs, meta);
-  if (r.commit() == kTakenWake) ring_bell(space_bell);
+  int64_t sent_ns;
+  const int64_t status = exchange_core(w, r, tx_bell, rx_bell, sleep_ns, space_bell, step_id,
+                                       layer, reply_to, ts, kind, reply_kind, spin_ns,
+                                       yield_every, -1, &sent_ns, &out);
+  if (status != kTaken) return py::make_tuple(status, sent_ns, py::none());
   py::list got(out.size());
   for (size_t i = 0; i < out.size(); ++i) got[i] = py::cast(std::move(out[i]));
   return py::make_tuple(kTaken, sent_ns, std::move(got));
 }
+
+// exchange() of ATTENDs as an ExchangeFn (lamina/csrc/exchange.h) for a whole-step program in a
+// replica process: one channel end's writer and reader (kept alive here), doorbells and
+// waits as RingChannel.exchange binds them, the replica's reply_to; a message of skip_kind
+// without tensors or meta that comes first is taken and dropped. The caller holds the
+// channel's send and receive locks while a step uses it (RingChannel.native_exchange).
+class RingExchange {
+ public:
+  RingExchange(py::object writer, py::object reader, int tx_bell, int rx_bell, int64_t sleep_ns,
+               int space_bell, int64_t reply_to, int64_t kind, int64_t reply_kind,
+               int64_t spin_ns, int64_t yield_every, int64_t skip_kind)
+      : writer_(std::move(writer)), reader_(std::move(reader)),
+        w_(writer_.cast<Writer*>()), r_(reader_.cast<Reader*>()), tx_bell_(tx_bell),
+        rx_bell_(rx_bell), sleep_ns_(sleep_ns), space_bell_(space_bell), reply_to_(reply_to),
+        kind_(kind), reply_kind_(reply_kind), spin_ns_(spin_ns), yield_every_(yield_every),
+        skip_kind_(skip_kind) {}
+
+  static int fn(void* self, int64_t step_id, int64_t layer, const at::Tensor& q,
+                const at::Tensor& k, const at::Tensor& v, at::Tensor* o) {
+    auto* x = static_cast<RingExchange*>(self);
+    int64_t sent_ns;
+    std::vector<at::Tensor> got;
+    const int64_t status = exchange_core(
+        *x->w_, *x->r_, x->tx_bell_, x->rx_bell_, x->sleep_ns_, x->space_bell_, step_id, layer,
+        x->reply_to_, {q, k, v}, x->kind_, x->reply_kind_, x->spin_ns_, x->yield_every_,
+        x->skip_kind_, &sent_ns, &got);
+    if (status != kTaken) return status >= kEmpty ? kSentOnly : kDeclined;
+    if (got.empty()) return kSentOnly;  // not a RESULT's tensors: cannot happen (peeked kind)
+    *o = std::move(got[0]);
+    return kAnswered;
+  }
+
+ private:
+  py::object writer_, reader_;
+  Writer* w_;
+  Reader* r_;
+  int tx_bell_, rx_bell_;
+  int64_t sleep_ns_;
+  int space_bell_;
+  int64_t reply_to_, kind_, reply_kind_, spin_ns_, yield_every_, skip_kind_;
+};
 
 // Spins (without the GIL) until ctl[word] - base >= need (signed), for at most timeout_ns;
 // returns whether it came true. yield_every > 0: sched_yield every that many polls, so a
@@ -422,6 +488,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "reply_to, tensors, kind, reply_kind, spin_ns, yield_every) -> (status, sent_ns, "
         "tensors | None): NO_ROOM | INELIGIBLE | PEER_CLOSED (nothing sent) | EMPTY | STREAM | "
         "TAKEN");
+  py::class_<RingExchange>(m, "RingExchange")
+      .def(py::init<py::object, py::object, int, int, int64_t, int, int64_t, int64_t, int64_t,
+                    int64_t, int64_t, int64_t>(),
+           py::arg("writer"), py::arg("reader"), py::arg("tx_bell"), py::arg("rx_bell"),
+           py::arg("sleep_ns"), py::arg("space_bell"), py::arg("reply_to"), py::arg("kind"),
+           py::arg("reply_kind"), py::arg("spin_ns"), py::arg("yield_every"),
+           py::arg("skip_kind") = -1)
+      .def("handle",
+           [](RingExchange& x) { return py::capsule(static_cast<void*>(&x), "lamina.ring"); },
+           "handle() -> this object as exchange_fn's self (valid while it lives)");
+  m.attr("exchange_fn") = py::capsule(reinterpret_cast<void*>(&RingExchange::fn),
+                                      kExchangeCapsule);
   m.def("ring_wait", &ring_wait,
         "ring_wait(ctl, word, base, need, timeout_ns, yield_every) -> ctl[word] - base >= need");
   m.def("post", &post, "post(words_addr, wake_fd): count one posted item; wake a sleeping waiter");
