@@ -275,19 +275,22 @@ class RingChannel(Channel):
         exchange or a message is half decoded."""
         if self._exchange is None:
             return None
+        def done(end=None) -> None:  # ``end`` lives as long as the exchange may be called
+            self._rx_lock.release()
+            self._tx_lock.release()
+
         self._tx_lock.acquire()
         self._rx_lock.acquire()
-        if self._closed or self._dec.in_progress:
-            self._rx_lock.release()
-            self._tx_lock.release()
-            return None
-        end = self._fast.RingExchange(*self._exchange.args, reply_to, int(kind), int(reply),
-                                      spin_ns, yield_every, -1 if skip is None else int(skip))
-
-        def done(end=end) -> None:  # ``end`` lives as long as the exchange may be called
-            self._rx_lock.release()
-            self._tx_lock.release()
-        return NativeExchange(self._fast.exchange_fn, end.handle(), done)
+        try:
+            if self._closed or self._dec.in_progress:
+                done()
+                return None
+            end = self._fast.RingExchange(*self._exchange.args, reply_to, int(kind), int(reply),
+                                          spin_ns, yield_every, -1 if skip is None else int(skip))
+        except BaseException:
+            done()
+            raise
+        return NativeExchange(self._fast.exchange_fn, end.handle(), partial(done, end))
 
     # ------------------------------------------------------------------ native consumers
     def native_tx(self) -> tuple[int, int, int, int, int] | None:
