@@ -124,6 +124,7 @@ class SliceRunner:
         self.waiting: dict[int, MicroBatch] = {}  # ATTENDs out, results not all used: by ``sent``
         self._all_here = len(replicas) == pipeline.replicas  # every slice runs in this process
         self._sent = itertools.count()
+        self._whole: dict[int, int | None] = {}  # slot -> the replica running all its slices
 
     def replica_of(self, mb: MicroBatch, k: int) -> int:
         """The replica that runs slice ``k`` of ``mb``."""
@@ -196,8 +197,8 @@ class SliceRunner:
 
     def _run(self, mb: MicroBatch) -> None:
         got = None  # layer k-1's RESULT, waited for in place (a lone micro-batch, one node)
-        if mb.k == 0 and (exchange := self._native_step(mb)) is not None:
-            got = self._run_step(mb, exchange)
+        if mb.k == 0 and (native := self._native_step(mb)) is not None:
+            got = self._run_step(mb, *native)
             if got is None:
                 return
         while True:
@@ -214,23 +215,36 @@ class SliceRunner:
         return route.span == (0, mb.plan.num_tokens) \
             and (self.pipeline.attn_parts <= 1 or len(route.works) == 1)
 
-    def _native_step(self, mb: MicroBatch) -> NativeExchange | None:
-        """How ``mb``'s whole step runs in one C++ call (:meth:`ComputeReplica.run_step`), or
-        None: a lone micro-batch whose slices all run on one replica here that has the chained
+    def _native_step(self, mb: MicroBatch) -> tuple[int, NativeExchange] | None:
+        """Where and how ``mb``'s whole step runs in one C++ call
+        (:meth:`ComputeReplica.run_step`): the replica and its node's exchange, or None. It
+        needs a lone micro-batch whose slices all run on one replica here that has the chained
         program, its node's ATTEND callable from C++, no timeline recording."""
         if self.span is not None or not self._lone(mb):
             return None
-        here = self.replica_of(mb, 0)
-        replica = self.replicas.get(here)
-        if replica is None or replica.step is None or \
-                any(self.replica_of(mb, k) != here for k in range(1, len(replica.split.slices))):
+        here = self._whole_step_replica(mb.slot)
+        if here is None or self.replicas[here].step is None:
             return None
-        return self.port.native_exchange(mb.routes[0].node, self.peer_base + here)
+        exchange = self.port.native_exchange(mb.routes[0].node, self.peer_base + here)
+        return None if exchange is None else (here, exchange)
 
-    def _run_step(self, mb: MicroBatch, exchange: NativeExchange) -> AttendResult | None:
-        """``mb``'s step by one C++ call from slice 0; where a layer's exchange declined, its
-        ATTEND goes out as :meth:`_run_one`'s do (the RESULT where it was waited for)."""
-        here = self.replica_of(mb, 0)
+    def _whole_step_replica(self, slot: int) -> int | None:
+        """The replica here that runs every slice of ``slot``'s micro-batches, or None; the
+        schedule is fixed per slot, so the answer is kept."""
+        if slot not in self._whole:
+            p = self.pipeline
+            here = replica_for(p.schedule, slot, 0, p.replicas)
+            replica = self.replicas.get(here)
+            self._whole[slot] = here if replica is not None and all(
+                replica_for(p.schedule, slot, k, p.replicas) == here
+                for k in range(1, len(replica.split.slices))) else None
+        return self._whole[slot]
+
+    def _run_step(self, mb: MicroBatch, here: int, exchange: NativeExchange
+                  ) -> AttendResult | None:
+        """``mb``'s step on replica ``here`` by one C++ call from slice 0; where a layer's
+        exchange declined, its ATTEND goes out as :meth:`_run_one`'s do (the RESULT where it
+        was waited for)."""
         replica = self.replicas[here]
         try:
             try:

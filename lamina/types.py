@@ -171,11 +171,12 @@ class NativeExchange:
     (``lamina/csrc/exchange.h``: a plane in this process, a ring to a node's process): ``fn``
     the ``ExchangeFn`` capsule, ``obj`` the capsule of its ``self``; ``done()``, called once
     after a step that used it (a plane: end the steps whose last layer it attended; a ring:
-    release the channel's locks)."""
+    release the channel's locks); ``owner``: what ``obj`` points into, kept alive with it."""
 
     fn: Any
     obj: Any
     done: Callable[[], None]
+    owner: Any = None
 
 
 @dataclass

@@ -58,8 +58,9 @@ from lamina.memnode.allocator import OutOfSlots, SlabAllocator
 from lamina.memnode.cascade import attend_cascade
 from lamina.memnode.kv_pool import KVPool
 from lamina.memnode.plan import StepState, build_step
-from lamina.memnode.shard import Shard
-from lamina.types import (AttendMsg, AttendResult, AttentionSpec, KVChunk, NativeExchange,
+from lamina.memnode.kv_moves import KVMoves
+from lamina.memnode.shard import RequestBusy, Shard, UnknownRequest
+from lamina.types import (AttendMsg, AttendResult, AttentionSpec, NativeExchange,
                           NodeStats, PrepareMsg, ShardWork)
 
 if TYPE_CHECKING:
@@ -69,19 +70,12 @@ __all__ = ["MemoryNode", "OutOfSlots", "UnknownRequest", "UnknownStep", "Request
 CANCELLED_KEPT = 4096  # step ids a node refuses after cancel_steps (the newest)
 
 
-class UnknownRequest(LookupError):
-    """The node holds no shard of this request."""
-
-
 class UnknownStep(LookupError):
     """No prepared step with this id (never prepared, finished, or cancelled)."""
 
 
-class RequestBusy(RuntimeError):
-    """The request is part of an in-flight step; the operation must wait until it finishes."""
 
-
-class MemoryNode:
+class MemoryNode(KVMoves):
     """One memory node: a KV pool, its allocator, the shards it holds and its prepared steps.
 
     ``specs`` has one AttentionSpec per attention layer; ``AttendMsg.layer`` names
@@ -283,7 +277,7 @@ class MemoryNode:
             if step_id not in self._cancelled:
                 self._cancelled.append(step_id)
 
-    # -- FREE / EXPORT / IMPORT / FORK ----------------------------------------------------------
+    # -- FREE (export, import, share: KVMoves) --------------------------------------------------
     def free(self, req_ids: Iterable[int]) -> list[int]:
         """Free every slot of the given requests; ids not held here are ignored.
 
@@ -300,93 +294,6 @@ class MemoryNode:
             else:
                 self.allocator.free(sh.slots)
         return freed
-
-    def free_range(self, req_id: int, start: int, end: int) -> None:
-        """Free positions ``[start, end)``: a prefix or suffix of the request's shard (or all)."""
-        sh = self._idle_shard(req_id)
-        if not (sh.start <= start < end <= sh.end) or (start != sh.start and end != sh.end):
-            raise ValueError(f"request {req_id}: [{start}, {end}) is not a non-empty prefix or "
-                             f"suffix of its shard [{sh.start}, {sh.end})")
-        if end - start == sh.length:
-            self.free([req_id])
-        elif start == sh.start:
-            self.allocator.free(sh.drop_front(end - start))
-        else:
-            self.allocator.free(sh.drop_back(end - start))
-
-    def export(self, req_id: int, start: int, end: int) -> KVChunk:
-        """Copy the request's K/V of positions ``[start, end)``, all layers: ``k/v[L, n, Hkv, D]``
-        as the pool stores them, with their scales for an 8-bit format."""
-        sh = self._shards.get(req_id)
-        if sh is None:
-            raise UnknownRequest(f"request {req_id} is not held by this node")
-        if not sh.start <= start <= end <= sh.written_end:
-            raise ValueError(f"request {req_id}: [{start}, {end}) is not inside the written part "
-                             f"[{sh.start}, {sh.written_end}) of its shard")
-        k, v, k_scale, v_scale = self.pool.gather(sh.slots_of(start, end))
-        return KVChunk(req_id, start, k, v, k_scale, v_scale)
-
-    def import_kv(self, chunk: KVChunk) -> None:
-        """Store ``chunk`` as a new shard, or extend the request's shard at its back or front.
-
-        Raises ValueError (shape/position), RequestBusy or OutOfSlots; then nothing changed.
-        """
-        n = int(chunk.k.shape[1]) if chunk.k.ndim == 4 else -1
-        want = (len(self.specs), n, self.pool.num_kv_heads, self.pool.head_dim)
-        if n < 0 or tuple(chunk.k.shape) != want or tuple(chunk.v.shape) != want:
-            raise ValueError(f"chunk k/v must be [L, n, Hkv, D] = {want}, got "
-                             f"{tuple(chunk.k.shape)} and {tuple(chunk.v.shape)}")
-        if chunk.start_pos < 0:
-            raise ValueError(f"chunk start_pos must be >= 0, got {chunk.start_pos}")
-        if n == 0:
-            return
-        start, end = chunk.start_pos, chunk.start_pos + n
-        sh = self._shards.get(chunk.req_id)
-        if sh is not None:
-            if sh.step is not None:
-                raise RequestBusy(f"request {chunk.req_id} is in step {sh.step}")
-            if start != sh.end and end != sh.start:
-                raise ValueError(f"request {chunk.req_id}: chunk [{start}, {end}) is not adjacent "
-                                 f"to its shard [{sh.start}, {sh.end})")
-        slots = self.allocator.alloc(n)
-        try:
-            self.pool.scatter(slots, chunk.k, chunk.v, k_scale=chunk.k_scale,
-                              v_scale=chunk.v_scale)
-        except ValueError:
-            self.allocator.free(slots)
-            raise
-        if sh is None:
-            self._shards[chunk.req_id] = Shard(start, slots)
-        elif start == sh.end:
-            sh.append(slots)
-        else:
-            sh.prepend(slots)
-
-    def share(self, dst: int, parts: Sequence[tuple[int, int, int]]) -> None:
-        """New shard ``dst`` (not held here) with one more reference to the slots of ``parts =
-        [(src, start, end), ...]``: consecutive ranges, each in the written part of shard
-        ``src`` (prefix caching: a request starting on a cached prefix; a new cache entry)."""
-        parts = [(int(r), int(a), int(b)) for r, a, b in parts]
-        if not parts or dst in self._shards:
-            raise ValueError(f"share into {dst}: no parts, or {dst} is held here already")
-        for i, (src, a, b) in enumerate(parts):
-            sh = self._shards.get(src)
-            if sh is None:
-                raise UnknownRequest(f"share into {dst}: shard {src} is not held by this node")
-            if not sh.start <= a < b <= sh.written_end or (i and a != parts[i - 1][2]):
-                raise ValueError(f"share into {dst}: {parts} are not consecutive ranges inside "
-                                 f"the written part [{sh.start}, {sh.written_end}) of {src}")
-        slots = np.concatenate([self._shards[r].slots_of(a, b) for r, a, b in parts])
-        self.allocator.fork(slots)
-        self._shards[dst] = Shard(parts[0][1], slots)
-
-    def _idle_shard(self, req_id: int) -> Shard:
-        sh = self._shards.get(req_id)
-        if sh is None:
-            raise UnknownRequest(f"request {req_id} is not held by this node")
-        if sh.step is not None:
-            raise RequestBusy(f"request {req_id} is in step {sh.step}")
-        return sh
 
     # -- STATS --------------------------------------------------------------------------------
     def shard(self, req_id: int) -> tuple[int, int] | None:

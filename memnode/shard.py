@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["Shard"]
+__all__ = ["Shard", "UnknownRequest", "RequestBusy"]
+
+
+class UnknownRequest(LookupError):
+    """The node holds no shard of this request."""
+
+
+class RequestBusy(RuntimeError):
+    """The request is part of an in-flight step; the operation must wait until it finishes."""
 
 
 class Shard:

@@ -17,18 +17,18 @@ from typing import Any, Callable, Sequence
 from lamina.transport.base import Channel, ChannelClosed, PeerDied
 from lamina.transport.ring_memory import (HEAD, R_CLOSED, R_WAIT, TAIL, W_CLOSED, W_WAIT, YIELD_EVERY,
                                           Bell, RingMemory, fence, wait_for)
+from lamina.transport.ring_native import NativeEnd
 from lamina.transport.shm_fast import EMPTY, HELD, SENT, SENT_WAKE, STREAM, TAKEN, TAKEN_WAKE
 from lamina.transport.stream import StreamDecoder
 from lamina.transport.wire import (DEFAULT_LIMITS, Buffer, Message, MsgKind, WireError, WireLimits,
                                    decode_kind, decode_meta, encode, encode_meta)
-from lamina.types import NativeExchange
 
 _KINDS = frozenset(int(k) for k in MsgKind)
 FULL_POLL_S = 1e-3  # how often a send waiting for room calls its while_full
 _KIND_TYPES = (MsgKind, int)  # a kind of another type goes to the Python encoder (which refuses it)
 
 
-class RingChannel(Channel):
+class RingChannel(NativeEnd, Channel):
     """One end of a duplex link of two rings (``tx`` written here, ``rx`` read here) speaking
     the protocol of this module. Subclasses set up the memory and say whether the peer lives
     (:meth:`peer_alive`), and may tidy up on every liveness check (:meth:`_on_check`) and at
@@ -263,71 +263,6 @@ class RingChannel(Channel):
                         return sent_ns, got
         self.send(Message(kind, step_id, layer, reply_to, tensors=tensors))
         return time.perf_counter_ns(), None
-
-    def native_exchange(self, kind: MsgKind, reply_to: int, reply: MsgKind, spin_ns: int,
-                        yield_every: int, skip: MsgKind | None = None) -> NativeExchange | None:
-        """:meth:`exchange` as a C++ function (``lamina/csrc/exchange.h``) for a whole-step
-        program: each call sends a ``kind`` message of q/k/v with ``reply_to`` and takes its
-        ``reply`` as :meth:`exchange` does (a reply not taken is then :meth:`recv`'s), first
-        dropping any ``skip`` messages without tensors or meta that come before it. This
-        end's send and receive locks are held from here until the result's ``done()`` (its
-        caller is this end's only receiver); None, holding nothing, where there is no native
-        exchange or a message is half decoded."""
-        if self._exchange is None:
-            return None
-        def done(end=None) -> None:  # ``end`` lives as long as the exchange may be called
-            self._rx_lock.release()
-            self._tx_lock.release()
-
-        self._tx_lock.acquire()
-        self._rx_lock.acquire()
-        try:
-            if self._closed or self._dec.in_progress:
-                done()
-                return None
-            end = self._fast.RingExchange(*self._exchange.args, reply_to, int(kind), int(reply),
-                                          spin_ns, yield_every, -1 if skip is None else int(skip))
-        except BaseException:
-            done()
-            raise
-        return NativeExchange(self._fast.exchange_fn, end.handle(), partial(done, end))
-
-    # ------------------------------------------------------------------ native consumers
-    def native_tx(self) -> tuple[int, int, int, int, int] | None:
-        """``(ctl, data, capacity, head address, data doorbell fd or -1)`` of the send ring, for
-        a native writer that its owner serialises with this end's other sends; None where a
-        write must be published (a mirrored ring) or there is no fast path."""
-        if self._writer is None or self._tx.mirrored:
-            return None
-        return (self._tx.ctl_addr, self._tx.data_addr, self._tx.capacity, self._writer.head_addr,
-                getattr(self._tx.data_bell, "fd", -1))
-
-    def serve_native(self, serve: Callable[..., int]) -> int | None:
-        """Let a native consumer read the receive ring, holding the receive lock: ``serve(ctl,
-        data, capacity, tail address, data doorbell fd, space doorbell fd (-1: none), spin_ns,
-        yield_every, budget_ns)`` takes whole messages off it (waiting as this end's receivers
-        do, for at most one liveness-check interval) and returns its status. None (``serve``
-        not called) where a message is half decoded, a read must be published (mirrored) or
-        there is no fast path: then :meth:`recv`."""
-        with self._rx_lock:
-            if self._closed:
-                raise ChannelClosed("channel is closed")
-            self._on_check()  # the tidying a Python receive does (a creator's names, once attached)
-            if self._reader is None or self._rx.mirrored or self._dec.in_progress:
-                return None
-            rx = self._rx
-            return serve(rx.ctl_addr, rx.data_addr, rx.capacity, self._reader.tail_addr,
-                         getattr(rx.data_bell, "fd", -1), getattr(rx.space_bell, "fd", -1),
-                         self._spin_ns, self._yield_every, int(self._wake * 1e9))
-
-    def wait_handle(self) -> tuple[int, int, int] | None:
-        """``(ctl, tail address, data doorbell fd or -1)`` of the receive ring, for a wait over
-        several rings (:class:`~lamina.transport.waitset.WaitSet`) by the one thread that
-        receives on this end; None where a read must be published (mirrored) or there is no
-        fast path."""
-        if self._reader is None or self._rx.mirrored:
-            return None
-        return (self._rx.ctl_addr, self._reader.tail_addr, getattr(self._rx.data_bell, "fd", -1))
 
     def check_peer(self) -> None:
         with self._rx_lock:
