@@ -11,7 +11,7 @@ import ctypes
 import ctypes.util
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 _PR_SET_NAME = 15
 
@@ -30,12 +30,6 @@ def set_title(title: str) -> None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def run_titled(title: str, target: Callable[..., Any], args: tuple) -> Any:
-    """Entry point of a role process: set the title, then run ``target(*args)``."""
-    set_title(title)
-    return target(*args)
 
 
 def keep_title(title: str, interval: float = 1.0,

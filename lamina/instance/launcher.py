@@ -21,7 +21,7 @@ import os
 from typing import Any, Callable, Protocol
 
 from lamina import omp
-from lamina.proctitle import run_titled
+from lamina.proctitle import set_title
 
 LOCAL = {"node_id": "local", "ip": "127.0.0.1"}  # where every role of one host runs
 ROLE_MODULES = ("lamina.computenode.server", "lamina.memnode.server")  # a role's imports
@@ -148,15 +148,19 @@ def _spare(pipe) -> None:
 
 def _run_role(title: str, target: Callable[..., Any], args: tuple,
               environ: dict[str, str]) -> Any:
-    """A role process's entry: the starting process's environment as it is now (a forkserver
-    child inherits the fork server's, from when it started), the role, then Python's exit
-    handlers, which a forkserver child would skip (it leaves through ``os._exit``): they run
-    the finalizers of what the role still holds (a ring it created drops its registration
-    with the resource tracker, which would otherwise report it leaked)."""
+    """A role process's entry: its title, the starting process's environment as it is now (a
+    forkserver child inherits the fork server's, from when it started), the role, then
+    Python's exit handlers, which a forkserver child would skip (it leaves through
+    ``os._exit``): they run the finalizers of what the role still holds (a ring it created
+    drops its registration with the resource tracker, which would otherwise report it
+    leaked). The title comes first: ``setproctitle`` finds the command line's memory by the
+    environment the process started with, and after ``os.environ.clear()`` it cannot (the
+    title was silently not set)."""
+    set_title(title)
     os.environ.clear()
     os.environ.update(environ)
     try:
-        return run_titled(title, target, args)
+        return target(*args)
     finally:
         atexit._run_exitfuncs()
 

@@ -1,5 +1,5 @@
 """ProcessLauncher: roles forked from the fork server see the engine's environment as it is
-when they start and run their exit handlers when they end; the spare role process runs the
+when they start, name themselves in ``ps`` and run their exit handlers when they end; the spare role process runs the
 next role it is handed (the role's pid is the spare's); close stops a spare still waiting."""
 import atexit
 import os
@@ -44,6 +44,25 @@ def test_a_role_sees_the_environment_at_its_start_and_runs_its_exit_handlers(tmp
             p.join(60)
             assert p.exitcode == 0
             assert _lines(q, 2 * i + 2)[2 * i:] == [f"{name}={value} {p.pid}", f"exit {p.pid}"]
+    finally:
+        launcher.close()
+
+
+def report_title(path):
+    with open("/proc/self/cmdline") as f:
+        report(path, "title=" + f.read().replace("\0", " ").strip())
+
+
+def test_a_role_names_itself_in_ps(tmp_path):
+    """The title is set before the role takes the engine's environment: ``setproctitle``
+    finds the command line's memory through the environment the process started with, and
+    after ``os.environ.clear()`` it silently set nothing."""
+    launcher = ProcessLauncher()
+    q = tmp_path / "roles.txt"
+    try:
+        p = launcher.start(report_title, (q,), "lamina: test role")
+        p.join(60)
+        assert _lines(q, 1)[0] == f"title=lamina: test role {p.pid}"
     finally:
         launcher.close()
 
