@@ -74,7 +74,6 @@ class UnknownStep(LookupError):
     """No prepared step with this id (never prepared, finished, or cancelled)."""
 
 
-
 class MemoryNode(KVMoves):
     """One memory node: a KV pool, its allocator, the shards it holds and its prepared steps.
 
