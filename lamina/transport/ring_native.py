@@ -21,10 +21,11 @@ class NativeEnd:
 
     def native_exchange(self, kind: MsgKind, reply_to: int, reply: MsgKind, spin_ns: int,
                         yield_every: int, skip: MsgKind | None = None) -> NativeExchange | None:
-        """``RingChannel.exchange`` as a C++ function (``lamina/csrc/exchange.h``) for a whole-step
-        program: each call sends a ``kind`` message of q/k/v with ``reply_to`` and takes its
-        ``reply`` as :meth:`~lamina.transport.ring.RingChannel.exchange` does (a reply not taken is then :meth:`recv`'s), first
-        dropping any ``skip`` messages without tensors or meta that come before it. This
+        """``RingChannel.exchange`` as a C++ function (``lamina/csrc/exchange.h``) for a
+        whole-step program: each call sends a ``kind`` message of q/k/v with ``reply_to`` and
+        takes its ``reply`` as ``RingChannel.exchange`` does (a reply not taken is then
+        ``recv``'s), first dropping any ``skip`` messages without tensors or meta that come
+        before it. This
         end's send and receive locks are held from here until the result's ``done()`` (its
         caller is this end's only receiver); None, holding nothing, where there is no native
         exchange or a message is half decoded."""
