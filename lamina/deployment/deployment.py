@@ -23,9 +23,9 @@ Recovery: when a role of an instance dies (a memory node or compute replica proc
 a Ray actor lost), the step that noticed it raises :class:`~lamina.errors.NodeFailure`. The
 deployment restarts only the dead role (:meth:`Deployment._heal`): the steps in flight are
 rolled back and re-run, a new memory node comes back empty and only the requests that had KV
-on the dead one recompute it, a new replica finds every request's KV where it was. Where that
-does not apply (borrowing on, nodes and replicas dead together, a role that hangs rather than
-dies) or fails, it stops what is left of the instance, starts a fresh one in its place
+on the dead one recompute it (with borrowing, those of every instance that had placed KV on
+it), a new replica finds every request's KV where it was. Where that does not apply (nodes and
+replicas dead together, a role that hangs rather than dies) or fails, it stops what is left of the instance, starts a fresh one in its place
 (``restart``, given by :func:`~lamina.deployment.start_deployment`) and hands it the
 unfinished requests, which recompute their KV from prompt + tokens generated so far. Either
 way no request is lost and greedy output is the same as without the fault. Any other error of a step (a bug, an unexpected
@@ -223,14 +223,13 @@ class Deployment(KVMoves):
         return revived
 
     def _heal(self, inst: Instance, out: StepOutput) -> bool:
-        """Restart only what died of ``inst`` (:func:`~lamina.deployment.recovery.heal`);
-        False where that does not apply or failed (the whole instance then restarts). Not with
-        borrowing: a dead node may hold another instance's KV."""
-        if self.borrowing:
-            return False
+        """Restart only what died (:func:`~lamina.deployment.recovery.heal`): ``inst``'s dead
+        replica, or the dead memory nodes of any live instance, whose debtors recover too;
+        False where that does not apply or failed (the whole instance then restarts)."""
         self.recovering += 1
         try:
-            healed = heal(inst, out)
+            live = [x for x in self.instances if x.failed is None]
+            healed = heal(inst, out, live, list(self.loans.values()))
         finally:
             self.recovering -= 1
         if healed is None:

@@ -8,9 +8,11 @@ placement), the part of :class:`~lamina.deployment.deployment.Deployment` that m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lamina.deployment.borrowing import MoveCommand
 from lamina.engine.request import Request
+from lamina.errors import NodeFailure
 
 
 @dataclass
@@ -36,6 +38,7 @@ class KVMove:
     start: int
     count: int
     loan: Loan
+    target: Any  # the creditor's client of the node the copy went to (a restart replaces it)
 
 
 class KVMoves:
@@ -76,24 +79,30 @@ class KVMoves:
             self.gmanager.call("abort", res.res_id)
             return None
         a = first.start
-        chunk = src.nodes[first.node].export(req.req_id, a, a + count)
-        creditor.nodes[cnode].import_kv(chunk)
-        return KVMove(cmd, res.res_id, req, first.node, a, count, loan)
+        target = creditor.nodes[cnode]
+        try:
+            target.import_kv(src.nodes[first.node].export(req.req_id, a, a + count))
+        except NodeFailure:  # a node died: the next step notices it and recovery follows
+            self.gmanager.call("abort", res.res_id)
+            return None
+        return KVMove(cmd, res.res_id, req, first.node, a, count, loan, target)
 
     def _end_move(self, m: KVMove) -> bool:
         """After the steps: the data has landed, so switch the placement and free the source
         range; if the request finished, was preempted or changed shape meanwhile, drop the
-        copy instead. True if the move took effect."""
+        copy instead (unless the node it went to died and was restarted meanwhile: then the
+        copy is gone). True if the move took effect."""
         req, loan = m.req, m.loan
         creditor = self.instances[loan.creditor]
         first = req.shards[0] if req.shards else None
-        ok = (not req.finished and first is not None and first.node == m.node and not req.num_cached
-              and first.start == m.start and first.length > m.count
+        landed = creditor.nodes[loan.creditor_node] is m.target
+        ok = (landed and not req.finished and first is not None and first.node == m.node
+              and not req.num_cached and first.start == m.start and first.length > m.count
               and loan.debtor_node not in {s.node for s in req.shards}
               and creditor.scheduler.free[loan.creditor_node] >= m.count)
         if not ok:
-            creditor.nodes[loan.creditor_node].free_range(req.req_id, m.start,
-                                                                 m.start + m.count)
+            if landed:
+                m.target.free_range(req.req_id, m.start, m.start + m.count)
             self.gmanager.call("abort", m.res_id)
             return False
         self.lend(loan, m.count)

@@ -23,6 +23,7 @@ from lamina.transport.node_client import NodeClient
 from lamina.types import KVChunk, NodeRoute, SamplingParams, Segment, ShardWork, StepPlan
 
 log = logging.getLogger("lamina.engine")
+ID_STRIDE = 1 << 40  # an engine's request and step ids: [id_base, id_base + ID_STRIDE)
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Engine:
         self.eos = set(eos_token_ids or ())
         self.tokenizer = tokenizer
         self.requests: dict[int, Request] = {}
+        self.id_base = id_base
+        self.own_nodes = len(capacities)  # nodes of its own pool; attached ones come after
         self._ids = itertools.count(id_base)
         self._steps = itertools.count(id_base)
         self._in_flight: dict[int, InFlight] = {}  # slot -> micro-batch
@@ -217,17 +220,25 @@ class Engine:
         """Make each surviving node hold no more of a request than the scheduler placed there:
         a dropped step may have been attended in full on a node (its RESULTs then went
         nowhere), which no cancel rolls back; its positions are freed from the shard's back."""
+        cache = self.scheduler.cache
         for k, st in enumerate(self.worker.stats()):
             if k in lost:
                 continue
             for req_id, (start, n) in st.shards.items():
-                if self.scheduler.cache is not None and self.scheduler.cache.is_entry(req_id):
-                    continue  # a cached prefix: no step touches it
+                if req_id < 0 and (k >= self.own_nodes or (cache is not None
+                                                           and cache.is_entry(req_id))):
+                    continue  # a cached prefix (here, or the lending pool's): no step touches it
+                if req_id >= 0 and not self.owns(req_id):
+                    continue  # another engine's request, on a node shared by borrowing
                 req = self.requests.get(req_id)
                 mine = [s for s in req.shards if s.node == k] if req is not None else []
                 end = max(start, mine[0].end) if mine else start
                 if start + n > end:
                     self.worker.nodes[k].free_range(req_id, end, start + n)
+
+    def owns(self, req_id: int) -> bool:
+        """Whether ``req_id`` is one of this engine's request ids."""
+        return self.id_base <= req_id < self.id_base + ID_STRIDE
 
     def forget(self, req_id: int) -> None:
         """Drop a finished request from ``requests`` (its caller has read it)."""

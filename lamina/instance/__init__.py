@@ -31,7 +31,7 @@ from lamina.computenode.sampling import Sampler
 from lamina.computenode.server import ReplicaConfig
 from lamina.config import CacheConfig, DeploymentConfig, dtype_name
 from lamina.device import Device, exclusive, own_cores, parse
-from lamina.engine.engine import Engine
+from lamina.engine.engine import ID_STRIDE, Engine
 from lamina.instance.inproc import InProcessReplicas
 from lamina.instance.launcher import Launcher
 from lamina.kernels.kv_format import kv_format
@@ -46,7 +46,6 @@ from lamina.transport.endpoint import SPIN_US
 from lamina.transport.node_client import InProcessNode, NodeClient
 from lamina.types import AttentionSpec
 
-ID_STRIDE = 1 << 40  # request/step ids of instance i start at i * ID_STRIDE
 PEER_STRIDE = 1 << 16  # replica r of instance i is peer i * PEER_STRIDE + r on memory nodes
 
 

@@ -38,8 +38,8 @@ def ray_session():
 
 def _deployment(folder, kv_cache_tokens: int) -> Deployment:
     """Two in-process instances (one memory node each) whose gManager is a Ray actor."""
-    config = deployment_config(str(folder), instances=2, memory=1,
-                               kv_cache_tokens=kv_cache_tokens, slab_size=8)
+    config = deployment_config(str(folder), instances=2, memory=1, kv_cache_tokens=kv_cache_tokens,
+                               slab_size=8, prefix_caching=False)  # a cached prefix never moves
     info = load_model_info(config)
     instances = [start_instance(config, i, info, None) for i in range(config.instances)]
     return Deployment(instances, config, gmanager="ray")

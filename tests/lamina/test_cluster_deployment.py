@@ -2,8 +2,8 @@
 launch --instances`` runs): every compute replica and memory node a Ray actor of its own. A
 request longer than any pool borrows a creditor's node over the wire and matches HF; the
 gManager's moves copy KV between node processes while the instances decode and leave outputs
-unchanged; an instance whose memory node dies ends its own requests with a clear error while
-the other instance goes on."""
+unchanged; a dead memory node or replica is restarted alone (also a node that lent KV space to
+the other instance), and a node and a replica dead together restart their instance."""
 import os
 import sys
 from dataclasses import replace
@@ -77,6 +77,30 @@ def test_remote_borrowing_of_a_request_longer_than_any_pool(tiny):
         assert [r.error for r in reqs] == [None, None, None]
         assert [r.output_ids for r in reqs] == want
         assert reqs[0].max_shards > 1 and d.loans  # its KV spanned two node processes
+        _no_kv_left(d)
+    finally:
+        d.close()
+
+
+def test_a_lending_node_that_dies_is_restarted_alone(tiny):
+    """A request borrows KV space on the other instance's node actor, which is then killed:
+    that node alone is restarted, both instances recompute only their KV that was on it, no
+    instance restarts, and every request matches HF."""
+    folder, model = tiny
+    prompts = [_prompt(52, 1), _prompt(9, 2), _prompt(4, 3)]
+    want = hf_greedy(model, prompts, GREEDY.max_tokens)
+    d = _start(folder, memory=1, transport="shm", kv_cache_tokens=40, slab_size=8)
+    try:
+        before = list(d.instances)
+        reqs = [d.add_request(p, GREEDY) for p in prompts]
+        while d.has_work() and not d.loans:
+            d.step()
+        (loan,) = d.loans.values()
+        ray.kill(d.instances[loan.creditor].nodes[loan.creditor_node].process.actor)
+        _run(d, reqs)
+        assert [r.error for r in reqs] == [None, None, None]
+        assert [r.output_ids for r in reqs] == want
+        assert (d.node_restarts, d.instance_restarts) == (1, 0) and d.instances == before
         _no_kv_left(d)
     finally:
         d.close()
