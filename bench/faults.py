@@ -18,8 +18,14 @@ unfaulted wall plus the restarts plus the lost KV prefilled again at the unfault
 rate (all prompt tokens over the time to the last first token). Writes
 bench/results/faults_cpu.{json,md} (``--spare``: faults_cpu_spare.{json,md}).
 
+With ``--instances 2`` the instances' pools lend to each other, and ``--victims lender`` kills a
+node on which another instance's request holds KV (the long request of the trace borrows once
+``--kv-cache-tokens`` is small): the node is restarted alone and both instances recompute only
+their KV that was on it (faults_cpu_borrowing.{json,md}).
+
     python bench/faults.py                         # smollm2, 12 requests, a kill every 8 s
     python bench/faults.py --kill-every 4 --kills 3
+    python bench/faults.py --instances 2 --memory 1 --kv-cache-tokens 1024 --victims lender
 """
 from __future__ import annotations
 
@@ -64,7 +70,9 @@ def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
 
 class Killer(threading.Thread):
     """Kills a process of instance 0 every ``every`` seconds of serving: its memory nodes round
-    robin, or (``victims`` "both") a memory node and the compute replica in turn."""
+    robin, or (``victims`` "both") a memory node and the compute replica in turn; or
+    (``victims`` "lender", several instances) a memory node that lent KV space another
+    instance's request is using (the first such after the wait)."""
 
     def __init__(self, llm: LLM, every: float, max_kills: int, victims: str) -> None:
         super().__init__(daemon=True)
@@ -73,8 +81,17 @@ class Killer(threading.Thread):
         self.kills: list[tuple[float, str]] = []
         self.back: list[float] = []  # seconds from each kill to the instance serving again
 
-    def victim(self) -> tuple[int, str]:
-        inst = self.llm.deployment.instances[0]
+    def victim(self) -> tuple[int, str] | None:
+        dep = self.llm.deployment
+        if self.victims == "lender":  # a node on which another instance holds KV now
+            for ln in dep.loans.values():
+                debtor = dep.instances[ln.debtor].scheduler
+                if any(sh.node == ln.debtor_node for r in debtor.running for sh in r.shards):
+                    node = dep.instances[ln.creditor].nodes[ln.creditor_node]
+                    return node.process.pid, (f"instance {ln.creditor}'s memory node "
+                                              f"{ln.creditor_node} (lent to instance {ln.debtor})")
+            return None
+        inst = dep.instances[0]
         n = len(self.kills)
         if self.victims == "replica" or (self.victims == "both" and n % 2 == 1):
             return inst.engine.worker.procs[0].pid, "replica 0"
@@ -88,7 +105,10 @@ class Killer(threading.Thread):
             seen = dep.recoveries
             if self.done.wait(self.every):
                 return
-            pid, role = self.victim()
+            while (found := self.victim()) is None:  # "lender": until a request borrows
+                if self.done.wait(0.05):
+                    return
+            pid, role = found
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -115,8 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--memory", type=int, default=2)
     ap.add_argument("--kill-every", type=float, default=8.0, help="seconds of serving per kill")
     ap.add_argument("--kills", type=int, default=4, help="most kills")
-    ap.add_argument("--victims", choices=["memory", "replica", "both"], default="both",
-                    help="memory nodes only, the compute replica only, or both in turn")
+    ap.add_argument("--victims", choices=["memory", "replica", "both", "lender"], default="both",
+                    help="memory nodes only, the compute replica only, both in turn, or (with "
+                         "--instances > 1) a node that lent KV space a request is using")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="instances (with borrowing between their pools)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="KV slots per memory node (small: requests borrow)")
     ap.add_argument("--spare", action="store_true",
                     help="keep a role process started ahead (LLM(spare=True)): faster restarts")
     ap.add_argument("--seed", type=int, default=0)
@@ -124,8 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     # one instance serves both runs: with the prefix cache on, the faulted run would reuse the
     # baseline's KV (and finish before the first kill), so it is off here
-    with LLM(a.model, memory=a.memory, placement="procs", spare=a.spare,
-             prefix_caching=False) as llm:
+    if a.victims == "lender" and a.instances < 2:
+        ap.error("--victims lender needs --instances 2 or more")
+    with LLM(a.model, memory=a.memory, placement="procs", spare=a.spare, prefix_caching=False,
+             instances=a.instances, kv_cache_tokens=a.kv_cache_tokens) as llm:
         vocab = llm.deployment.instances[0].engine.vocab_size or 2
         trace = synthetic_trace("mixed", a.requests, math.inf, vocab, seed=a.seed, scale=a.scale,
                                 max_context=1024)
@@ -139,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"baseline {base['wall']:.1f} s; faulted run (a memory node killed every "
               f"{a.kill_every:g} s of serving)", flush=True)
         rec0, tok0 = llm.deployment.recoveries, llm.deployment.recomputed_tokens
-        nodes0 = llm.deployment.node_restarts
+        nodes0, whole0 = llm.deployment.node_restarts, llm.deployment.instance_restarts
         killer = Killer(llm, a.kill_every, a.kills, a.victims)
         killer.start()
         fault = run_trace(llm, prompts, params)
@@ -147,13 +174,16 @@ def main(argv: list[str] | None = None) -> None:
         killer.join(30)
         recoveries = llm.deployment.recoveries - rec0
         node_restarts = llm.deployment.node_restarts - nodes0
+        instance_restarts = llm.deployment.instance_restarts - whole0
         recomputed = llm.deployment.recomputed_tokens - tok0
     completed = sum(r in ("length", "stop") for r in fault["reason"])
-    res = dict(model=a.model, requests=len(prompts), memory_nodes=a.memory, spare=a.spare,
+    res = dict(model=a.model, requests=len(prompts), instances=a.instances,
+               kv_cache_tokens=a.kv_cache_tokens, memory_nodes=a.memory, spare=a.spare,
                kill_every_s=a.kill_every, kills=len(killer.kills),
                killed=[dict(at_s=t, role=r, back_s=round(b, 2) if b is not None else None)
                        for (t, r), b in zip(killer.kills, killer.back + [None] * len(killer.kills))],
-               recoveries=recoveries, node_restarts=node_restarts, completed=completed,
+               recoveries=recoveries, node_restarts=node_restarts,
+               instance_restarts=instance_restarts, completed=completed,
                failed=sum(r == "error" for r in fault["reason"]),
                identical=sum(x == y for x, y in zip(fault["tokens"], base["tokens"])),
                generated_tokens=sum(map(len, fault["tokens"])), recomputed_tokens=recomputed,
@@ -171,13 +201,17 @@ def main(argv: list[str] | None = None) -> None:
                floor_ratio=round(floor / base["wall"], 3))
     md = ["# Faults under load (bench/faults.py)", "",
           f"{a.model}, {len(prompts)} requests of a seeded mixed trace (greedy), "
-          f"{a.memory} memory nodes, every role a process{' (a spare kept ahead)' if a.spare else ''}"
+          + (f"{a.instances} instances borrowing KV space from each other "
+             f"({a.kv_cache_tokens} slots per node), " if a.instances > 1 else "")
+          + f"{a.memory} memory node{'s' if a.memory != 1 else ''}"
+          f"{' each' if a.instances > 1 else ''}, every role a process"
+          f"{' (a spare kept ahead)' if a.spare else ''}"
           f"; a process SIGKILLed every "
           f"{a.kill_every:g} s of serving (at most {a.kills}): "
           + ", ".join(f"{r} at {t:g} s" for t, r in killer.kills) + ".", "",
           "| what | value |", "|---|---:|",
-          f"| kills / recoveries (memory nodes restarted alone) | {res['kills']} / {recoveries} "
-          f"({node_restarts}) |",
+          "| kills / recoveries (memory nodes restarted alone, instances restarted whole) | "
+          f"{res['kills']} / {recoveries} ({node_restarts}, {instance_restarts}) |",
           "| kill to serving again, s (each) | "
           + (", ".join(f"{r}: {b:.1f}" for (_, r), b in zip(killer.kills, killer.back)) or "-")
           + " |",
@@ -195,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(md) + "\n"
     print(text)
     a.out.mkdir(parents=True, exist_ok=True)
-    name = "faults_cpu_spare" if a.spare else "faults_cpu"
+    name = "faults_cpu" + ("_borrowing" if a.instances > 1 else "") + ("_spare" if a.spare else "")
     (a.out / f"{name}.json").write_text(json.dumps(res, indent=1))
     (a.out / f"{name}.md").write_text(text)
     print(f"wrote {a.out / name}.json and .md")

@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus), with per-request RNGs.
+"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus), seeded per request.
 
 Target distribution of one non-greedy row (``temperature > 0``), as computed by
 :func:`filtered_probs`:
@@ -16,12 +16,16 @@ Target distribution of one non-greedy row (``temperature > 0``), as computed by
 ``temperature == 0`` is greedy: ``argmax`` of the raw logits (ties go to the lowest index).
 ``top_k <= 0`` or ``top_k >= V`` and ``top_p == 1`` disable those filters.
 
-Randomness. :class:`Sampler` keeps one CPU ``torch.Generator`` per request, seeded from
-``SamplingParams.seed`` when given, else from a seed drawn from the sampler's own RNG (OS
-entropy, or the ``seed`` given to the sampler). Each non-greedy sample of a request consumes
-exactly one float32 uniform from that request's generator and nothing else does, so a seeded
-request gets the same tokens whatever it is batched with and in whichever row it sits, as long
-as its own logits are the same. Greedy samples consume no randomness.
+Randomness. A non-greedy sample of a request consumes one uniform in ``[0, 1)`` (24 bits,
+exact in float32): a counter-based draw (SplitMix64's mixer) of the request's seed and a key,
+the position in the sequence of the token being sampled where the caller gives it (the engine
+always does), else the number of the request's draws so far. The seed is
+``SamplingParams.seed`` when given, else one drawn from the sampler's own RNG (OS entropy, or
+the ``seed`` given to the sampler). So a seeded request gets the same tokens whatever it is
+batched with and in whichever row it sits, as long as its own logits are the same; and since
+the key is the token's position, also after its KV was recomputed (a preemption, a restarted
+memory node or instance): a step dropped in flight leaves no trace in what the request draws
+next. Greedy samples consume no randomness.
 
 The draw is an inverse-CDF lookup done batched on the logits' device: ``u * total`` is located
 in the row's cumulative (unnormalised) filtered weights. Only the ``R`` uniforms travel to the
@@ -41,7 +45,17 @@ from lamina.types import SamplingParams
 
 __all__ = ["Sampler", "filtered_probs"]
 
-_SEED_MASK = (1 << 64) - 1  # torch.Generator.manual_seed accepts 64-bit seeds
+_MASK = (1 << 64) - 1
+
+
+def uniform(seed: int, key: int) -> float:
+    """The uniform in ``[0, 1)`` (a multiple of 2**-24, so exact in float32) of draw ``key`` of
+    a request seeded ``seed``: SplitMix64's output function over ``seed + (key + 1) * golden``
+    (consecutive keys of one seed, and the same key of nearby seeds, look independent)."""
+    z = (seed + (key + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 40) * 2.0 ** -24
 
 
 def _per_row(value, n: int, name: str) -> list:
@@ -163,16 +177,15 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks one token per row of a logits batch, with one RNG per request.
+    """Picks one token per row of a logits batch; each request draws from its own seed.
 
     Contracts:
 
     * ``sample(logits[R, V], req_ids, params)`` returns ``int64[R]`` on CPU. ``logits`` may have
       any float dtype and live on any device; it is not modified.
-    * A request's generator is created at its first non-greedy sample and lives until
-      :meth:`release`. Its parameters (in particular ``seed``) are read only at creation.
-    * Rows with the same ``req_id`` in one call draw from that request's generator in row
-      order.
+    * A request's seed is fixed at its first non-greedy draw and kept until :meth:`release`
+      (with its draw count). Its parameters (in particular ``seed``) are read only then.
+    * Without keys, rows with the same ``req_id`` in one call draw in row order.
     * Not thread-safe.
     """
 
@@ -180,39 +193,44 @@ class Sampler:
         """``seed`` seeds the RNG that seeds requests without their own ``seed``; ``None`` uses
         OS entropy (unseeded requests are then not reproducible)."""
         self._seeder = random.Random(seed)
-        self._generators: dict[int, torch.Generator] = {}
+        self._seeds: dict[int, int] = {}  # req_id -> its seed
+        self._draws: dict[int, int] = {}  # req_id -> draws so far without a key
 
     @property
     def num_requests(self) -> int:
-        """How many requests currently hold a generator."""
-        return len(self._generators)
+        """How many requests currently hold a seed."""
+        return len(self._seeds)
 
     def __contains__(self, req_id: int) -> bool:
-        return req_id in self._generators
+        return req_id in self._seeds
 
     def release(self, req_id: int) -> None:
-        """Drop a finished request's generator (no-op when it has none). A later sample with the
-        same ``req_id`` starts a fresh generator."""
-        self._generators.pop(req_id, None)
+        """Forget a finished request's seed and draw count (no-op when it has none). A later
+        sample with the same ``req_id`` starts again from its seed."""
+        self._seeds.pop(req_id, None)
+        self._draws.pop(req_id, None)
 
-    def _generator(self, req_id: int, params: SamplingParams) -> torch.Generator:
-        gen = self._generators.get(req_id)
-        if gen is None:
+    def _seed(self, req_id: int, params: SamplingParams) -> int:
+        seed = self._seeds.get(req_id)
+        if seed is None:
             seed = params.seed if params.seed is not None else self._seeder.getrandbits(64)
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(seed & _SEED_MASK)
-            self._generators[req_id] = gen
-        return gen
+            seed = self._seeds[req_id] = seed & _MASK
+        return seed
+
+    def _key(self, req_id: int) -> int:
+        n = self._draws.get(req_id, 0)
+        self._draws[req_id] = n + 1
+        return n
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, req_ids: Sequence[int],
                params: Sequence[SamplingParams],
                uniforms: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row: argmax for greedy rows, a draw from :func:`filtered_probs` with the
-        request's own generator for the others (or with ``uniforms[R]`` from :meth:`draw`, when
-        given: then no generator is touched). Raises ``ValueError`` on mismatched lengths, a
-        non-2-D or non-float ``logits``, or invalid parameters (checked before any generator
-        is touched)."""
+        request's next uniform (:meth:`draw` without keys) for the others, or with
+        ``uniforms[R]`` when given (then this sampler's state is not touched). Raises
+        ``ValueError`` on mismatched lengths, a non-2-D or non-float ``logits``, or invalid
+        parameters (checked before anything is drawn)."""
         if logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor [R, V], got {tuple(logits.shape)} "
                              f"{logits.dtype}")
@@ -246,11 +264,16 @@ class Sampler:
         out.index_copy_(0, ri, _inverse_cdf(weights, u.to(dev)))
         return out.cpu()
 
-    def draw(self, req_ids: Sequence[int], params: Sequence[SamplingParams]) -> torch.Tensor:
-        """``float32[R]``: the uniform each non-greedy row consumes from its request's generator,
-        in row order (0 for greedy rows, which consume none). Drawing here and passing the result
-        to :meth:`sample` of another Sampler (a replica in another process) samples exactly as
-        this Sampler would."""
-        return torch.tensor([float(torch.rand(1, generator=self._generator(r, p)))
-                             if p.temperature != 0 else 0.0 for r, p in zip(req_ids, params)],
+    def draw(self, req_ids: Sequence[int], params: Sequence[SamplingParams],
+             keys: Sequence[int] | None = None) -> torch.Tensor:
+        """``float32[R]``: the uniform of each non-greedy row (0 for greedy rows, which consume
+        none): draw ``keys[i]`` of its request (the position of the token it samples), or
+        without ``keys`` the request's next draw, in row order. Drawing here and passing the
+        result to :meth:`sample` of another Sampler (a replica in another process) samples
+        exactly as this Sampler would."""
+        if keys is not None and len(keys) != len(req_ids):
+            raise ValueError(f"{len(req_ids)} rows but {len(keys)} keys")
+        return torch.tensor([uniform(self._seed(r, p), self._key(r) if keys is None else k)
+                             if p.temperature != 0 else 0.0
+                             for r, p, k in zip(req_ids, params, keys or req_ids)],
                             dtype=torch.float32)

@@ -75,6 +75,10 @@ class StepPlan:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def sampled_positions(self) -> list[int]:
+        """The position each sampled row's new token will take (its sampling key)."""
+        return (self.positions[self.sample_rows] + 1).tolist()
+
 
 # ---------------------------------------------------------------------------------------------
 # Memory-node messages. Tensors are CPU or device tensors owned by the sender

@@ -1,5 +1,5 @@
 """Child processes of this test process that are alive, less multiprocessing's resource
-tracker (it lives as long as this process, once anything was spawned). A child may exit or
+tracker and fork server (each lives as long as this process, once anything was started). A child may exit or
 turn zombie between two psutil calls: such a child is not alive."""
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ def live_children() -> set[int]:
     pids = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+            cmd = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and not any(
+                    helper in cmd for helper in ("resource_tracker", "multiprocessing.forkserver")):
                 pids.add(p.pid)
         except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
             pass

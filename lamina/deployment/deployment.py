@@ -25,11 +25,13 @@ deployment restarts only the dead role (:meth:`Deployment._heal`): the steps in 
 rolled back and re-run, a new memory node comes back empty and only the requests that had KV
 on the dead one recompute it (with borrowing, those of every instance that had placed KV on
 it), a new replica finds every request's KV where it was. Where that does not apply (nodes and
-replicas dead together, a role that hangs rather than dies) or fails, it stops what is left of the instance, starts a fresh one in its place
-(``restart``, given by :func:`~lamina.deployment.start_deployment`) and hands it the
-unfinished requests, which recompute their KV from prompt + tokens generated so far. Either
-way no request is lost and greedy output is the same as without the fault. Any other error of a step (a bug, an unexpected
-reply) restarts the instance the same way, but its requests in flight end with that error
+replicas dead together, a role that hangs rather than dies) or fails, it stops what is left of
+the instance, starts a fresh one in its place (``restart``, given by
+:func:`~lamina.deployment.start_deployment`) and hands it the unfinished requests, which
+recompute their KV from prompt + tokens generated so far. Either way no request is lost and
+the output is the same as without the fault (greedy, or sampled with a seed: draws are keyed
+by position). Any other error of a step (a bug, an unexpected reply) restarts the instance
+the same way, but its requests in flight end with that error
 (one of them may be its cause: recomputing them could fail again and again); the waiting ones
 go on. Only when the restart itself fails does the instance leave the router, ending its
 requests with the error (and if it was the last, the error propagates).

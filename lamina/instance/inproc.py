@@ -76,7 +76,10 @@ class InProcessReplicas(WorkerClient):
                              f"(0..{self.pipeline.micro_batches - 1})")
         start = time.perf_counter()
         try:
-            self.runner.start(MicroBatch(plan, routes, list(req_ids), list(params)))
+            uniforms = None  # keyed by position: a step dropped in flight changes no draw
+            if any(p.temperature != 0 for p in params):
+                uniforms = self.replicas[0].sampler.draw(req_ids, params, plan.sampled_positions())
+            self.runner.start(MicroBatch(plan, routes, list(req_ids), list(params), uniforms))
         finally:
             self._times.execute_s += time.perf_counter() - start
         self.max_in_flight = max(self.max_in_flight, len(self.runner.mbs))

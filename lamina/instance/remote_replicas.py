@@ -234,7 +234,8 @@ class RemoteReplicas(WorkerClient):
             raise ValueError(f"micro-batch slot {slot} is busy or out of range")
         if plan.micro_batch != slot:
             raise ValueError(f"plan of micro-batch {plan.micro_batch} submitted to slot {slot}")
-        msg = step_message(plan, routes, req_ids, params, self.sampler.draw(req_ids, params))
+        msg = step_message(plan, routes, req_ids, params,
+                           self.sampler.draw(req_ids, params, plan.sampled_positions()))
         if self.dead:
             raise next(iter(self.dead.values()))
         n = self.config.replicas

@@ -86,11 +86,13 @@ def test_killed_process_is_replaced_and_outputs_are_unchanged(tiny, victim):
     generation restarts that role alone, with its index (same instance, the other roles' same
     processes: the micro-batches in flight are rolled back on the nodes and re-run; a new node
     is empty, a new replica joins the ring of contexts). Every request completes with the
-    unfaulted output."""
+    unfaulted output, greedy or sampled with a seed (draws are keyed by position: the steps
+    dropped in flight leave no trace)."""
     folder, _ = tiny
     before = _children()
     prompts = PROMPTS[:4]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=40, ignore_eos=True)] * 2
     with LLM(str(folder), compute=2, memory=2, placement="procs") as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         inst = llm.deployment.instances[0]

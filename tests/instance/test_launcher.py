@@ -1,6 +1,7 @@
 """ProcessLauncher: roles forked from the fork server see the engine's environment as it is
-when they start, name themselves in ``ps`` and run their exit handlers when they end; the spare role process runs the
-next role it is handed (the role's pid is the spare's); close stops a spare still waiting."""
+when they start, name themselves in ``ps`` and run their exit handlers when they end; the spare
+role process runs the next role it is handed (the role's pid is the spare's); close stops a
+spare still waiting."""
 import atexit
 import os
 import time

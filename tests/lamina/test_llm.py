@@ -168,3 +168,37 @@ def test_an_unexpected_step_error_ends_the_running_requests_and_the_rest_go_on(f
         assert running.finish_reason == "error" and "a bug in a slice" in str(running.error)
         assert waiting.error is None and waiting.output_ids == want
         assert llm.generate([[9, 8, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_seeded_sampling_continues_exactly_through_a_whole_instance_restart(folder, monkeypatch):
+    """A role dies (a NodeFailure out of a slice, in process: the whole instance restarts and
+    its requests recompute their KV in a fresh engine with a fresh sampler). Seeded sampled
+    requests still end with the unfaulted run's tokens: each draw is keyed by the position of
+    the token it samples, not taken from a stream that restarts with the engine."""
+    from lamina.computenode.replica import ComputeReplica
+    from lamina.errors import NodeFailure
+    prompts = [[5, 6, 7], [9, 8, 7, 6], [4, 4]]
+    params = [SamplingParams(temperature=1.0, top_k=20, seed=s, max_tokens=12, ignore_eos=True)
+              for s in (1, 2, 3)]
+    with LLM(folder, kv_cache_tokens=64, prefix_caching=False) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        d = llm.deployment
+        reqs = [d.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for _ in range(5):
+            d.step()
+        assert all(0 < len(r.output_ids) < 12 for r in reqs)
+        calls = []
+
+        def once(real):
+            def run(self, *args):
+                if not calls:
+                    calls.append(real.__name__)
+                    raise NodeFailure("memory node 0 is gone")
+                return real(self, *args)
+            return run
+        for name in ("run_slice", "run_step"):
+            monkeypatch.setattr(ComputeReplica, name, once(getattr(ComputeReplica, name)))
+        while d.has_work():
+            d.step()
+        assert calls and d.instance_restarts == 1
+        assert [r.output_ids for r in reqs] == want and all(r.error is None for r in reqs)
