@@ -143,7 +143,6 @@ def test_an_unexpected_step_error_ends_the_running_requests_and_the_rest_go_on(f
     """Not a dead role but a bug in a step (here: a slice that raises once): the instance is
     restarted, its requests in flight end with the error, the waiting one completes, identical
     to a run without the fault, and later requests are served."""
-    from lamina.computenode.replica import ComputeReplica
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(folder, kv_cache_tokens=64, max_num_seqs=1) as llm:
         want = llm.generate([[9, 8, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -151,17 +150,7 @@ def test_an_unexpected_step_error_ends_the_running_requests_and_the_rest_go_on(f
         running = d.add_request([5, 6, 7], params)
         waiting = d.add_request([9, 8, 7], params)  # max_num_seqs=1: waits for the first
         d.step()
-        calls = []
-
-        def once(real):
-            def run(self, *args):
-                if not calls:
-                    calls.append(real.__name__)
-                    raise RuntimeError("a bug in a slice")
-                return real(self, *args)
-            return run
-        for name in ("run_slice", "run_step"):  # a slice at a time, or the whole step in C++
-            monkeypatch.setattr(ComputeReplica, name, once(getattr(ComputeReplica, name)))
+        calls = _fail_once(monkeypatch, RuntimeError("a bug in a slice"))
         while d.has_work():
             d.step()
         assert calls and d.recoveries == 1
@@ -175,7 +164,6 @@ def test_seeded_sampling_continues_exactly_through_a_whole_instance_restart(fold
     its requests recompute their KV in a fresh engine with a fresh sampler). Seeded sampled
     requests still end with the unfaulted run's tokens: each draw is keyed by the position of
     the token it samples, not taken from a stream that restarts with the engine."""
-    from lamina.computenode.replica import ComputeReplica
     from lamina.errors import NodeFailure
     prompts = [[5, 6, 7], [9, 8, 7, 6], [4, 4]]
     params = [SamplingParams(temperature=1.0, top_k=20, seed=s, max_tokens=12, ignore_eos=True)
@@ -187,18 +175,26 @@ def test_seeded_sampling_continues_exactly_through_a_whole_instance_restart(fold
         for _ in range(5):
             d.step()
         assert all(0 < len(r.output_ids) < 12 for r in reqs)
-        calls = []
-
-        def once(real):
-            def run(self, *args):
-                if not calls:
-                    calls.append(real.__name__)
-                    raise NodeFailure("memory node 0 is gone")
-                return real(self, *args)
-            return run
-        for name in ("run_slice", "run_step"):
-            monkeypatch.setattr(ComputeReplica, name, once(getattr(ComputeReplica, name)))
+        calls = _fail_once(monkeypatch, NodeFailure("memory node 0 is gone"))
         while d.has_work():
             d.step()
         assert calls and d.instance_restarts == 1
         assert [r.output_ids for r in reqs] == want and all(r.error is None for r in reqs)
+
+
+def _fail_once(monkeypatch, error: Exception) -> list[str]:
+    """The replicas' next slice, or whole step in C++, raises ``error`` once; returns the list
+    that names the call which raised (empty until then)."""
+    from lamina.computenode.replica import ComputeReplica
+    calls: list[str] = []
+
+    def once(real):
+        def run(self, *args):
+            if not calls:
+                calls.append(real.__name__)
+                raise error
+            return real(self, *args)
+        return run
+    for name in ("run_slice", "run_step"):  # a slice at a time, or the whole step in C++
+        monkeypatch.setattr(ComputeReplica, name, once(getattr(ComputeReplica, name)))
+    return calls
