@@ -228,17 +228,13 @@ class Engine:
                 if req_id < 0 and (k >= self.own_nodes or (cache is not None
                                                            and cache.is_entry(req_id))):
                     continue  # a cached prefix (here, or the lending pool's): no step touches it
-                if req_id >= 0 and not self.owns(req_id):
+                if req_id >= 0 and not self.id_base <= req_id < self.id_base + ID_STRIDE:
                     continue  # another engine's request, on a node shared by borrowing
                 req = self.requests.get(req_id)
                 mine = [s for s in req.shards if s.node == k] if req is not None else []
                 end = max(start, mine[0].end) if mine else start
                 if start + n > end:
                     self.worker.nodes[k].free_range(req_id, end, start + n)
-
-    def owns(self, req_id: int) -> bool:
-        """Whether ``req_id`` is one of this engine's request ids."""
-        return self.id_base <= req_id < self.id_base + ID_STRIDE
 
     def forget(self, req_id: int) -> None:
         """Drop a finished request from ``requests`` (its caller has read it)."""
