@@ -66,16 +66,23 @@ class ComputeReplica:
         values = {n: t.to(self.device, non_blocking=True) for n, t in values.items()}
         return self.split.advance(k, values, self.runner())
 
-    def run_step(self, step_id: int, values: dict[str, torch.Tensor], exchange: NativeExchange):
+    def run_step(self, step_id: int, values: dict[str, torch.Tensor], exchange: NativeExchange,
+                 stamps: torch.Tensor | None = None):
         """Slices 0, 1, ... of step ``step_id`` in one C++ call from :meth:`begin`'s ``values``,
         each layer's attention by ``exchange`` (needs :attr:`step`). Returns ``(k, sent,
         context, qkv, logits)``: :meth:`run_slice`'s result for slice k, the last slice or the
         layer whose exchange did not answer: its ATTEND is the caller's to send, or, ``sent``,
-        out already with its RESULT the caller's to receive."""
+        out already with its RESULT the caller's to receive. ``stamps`` (for a timeline):
+        ``int64[slices, STAMP_COLS]``, filled as ``StepProgram.run`` says
+        (``kernels/csrc/slice_program.cpp``)."""
         k, sent, out = self.step.run(step_id, [values[n] for n in STEP_INPUTS], exchange.fn,
-                                     exchange.obj)
+                                     exchange.obj, stamps)
         outs = dict(zip(self.split.infos[k].outputs, out))
         return (k, sent, *self.split.outcome(k, values, outs))
+
+    def step_stamps(self) -> torch.Tensor:
+        """A buffer for :meth:`run_step`'s ``stamps``."""
+        return torch.empty(len(self.split.slices), self.step.STAMP_COLS, dtype=torch.int64)
 
     def runner(self):
         """What runs a slice (``SplitModel.advance``'s ``run``): the CUDA graphs, else the C++

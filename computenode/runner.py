@@ -19,9 +19,10 @@ layer has its RESULT. Running it merges those results exactly (log-sum-exp), run
 the layer's ATTENDs with ``reply_to`` the peer id of the replica that runs the next slice, or
 samples after the last slice. A lone micro-batch whose node's ATTEND C++ can call (a plane in
 this process, a ring to the node's process) runs its whole step in one C++ call instead
-(:meth:`ComputeReplica.run_step`; not while a timeline records, since it has no per-slice
-spans). Timeline spans (compute: ``slice k``, ``send``, ``recv`` (the merge),
-``slice k + sample``; memory: ``attend k``) go to the ``span`` callback.
+(:meth:`ComputeReplica.run_step`, which stamps each slice and exchange while a timeline
+records). Timeline spans (compute: ``slice k``, ``send``, ``recv`` (the merge; in one C++
+call, from the RESULT's arrival to the next slice), ``slice k + sample``; memory: ``attend
+k``) go to the ``span`` callback.
 """
 from __future__ import annotations
 
@@ -219,8 +220,8 @@ class SliceRunner:
         """Where and how ``mb``'s whole step runs in one C++ call
         (:meth:`ComputeReplica.run_step`): the replica and its node's exchange, or None. It
         needs a lone micro-batch whose slices all run on one replica here that has the chained
-        program, its node's ATTEND callable from C++, no timeline recording."""
-        if self.span is not None or not self._lone(mb):
+        program, its node's ATTEND callable from C++."""
+        if not self._lone(mb):
             return None
         here = self._whole_step_replica(mb.slot)
         if here is None or self.replicas[here].step is None:
@@ -246,16 +247,38 @@ class SliceRunner:
         exchange declined, its ATTEND goes out as :meth:`_run_one`'s do (the RESULT where it
         was waited for)."""
         replica = self.replicas[here]
+        stamps = replica.step_stamps() if self.span is not None else None
         try:
             try:
-                k, sent, context, qkv, logits = replica.run_step(mb.step_id, mb.values, exchange)
+                k, sent, context, qkv, logits = replica.run_step(mb.step_id, mb.values, exchange,
+                                                                 stamps)
             finally:
                 exchange.done()
             tokens = self._tokens(replica, mb, context, logits)
         except Exception as e:  # noqa: BLE001 -- this micro-batch fails; the others go on
             return self._fail(mb, e)
         mb.k = k
+        if stamps is not None:
+            self._step_spans(mb, here, stamps[:k + 1].tolist(), tokens is not None)
         return self._then(mb, here, context, qkv, tokens, sent)
+
+    def _step_spans(self, mb: MicroBatch, here: int, stamps: list[list[int]],
+                    sampled: bool) -> None:
+        """The timeline of a step run in one C++ call, from its stamps: each layer answered in
+        C++ as ``slice j``, ``send``, memory ``attend j``, ``recv``; the last row's slice alone
+        (its sends are :meth:`_then`'s)."""
+        node = mb.routes[0].node
+        for j, (start, end, sent, n0, n1, back) in enumerate(stamps):
+            if j == len(stamps) - 1:
+                self.span("compute", here, f"slice {j}" + (" + sample" if sampled else ""),
+                          start, time.perf_counter_ns() if sampled else end, mb)
+                return
+            self.span("compute", here, f"slice {j}", start, end, mb)
+            self.span("compute", here, "send", end, sent, mb)
+            if n0:
+                mb.sent_ns, mb.received_ns = sent, back
+                self.span("memory", node, f"attend {j}", n0, n1, mb)
+            self.span("compute", here, "recv", back, stamps[j + 1][0], mb)
 
     def _run_one(self, mb: MicroBatch, got: AttendResult | None) -> AttendResult | None:
         """Slice ``mb.k`` (on ``got``, else on the filed results), then its sends; the RESULT of

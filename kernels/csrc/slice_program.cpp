@@ -30,6 +30,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -283,22 +284,40 @@ class StepProgram {
   // k's outputs): k the last slice (the step is done), or the layer whose exchange did not
   // answer: its ATTEND is the caller's to send (sent false) or, out already, its RESULT the
   // caller's to receive (sent true). fn / self: an ExchangeFn capsule and its object.
-  std::tuple<int64_t, bool, std::vector<at::Tensor>> run(int64_t step_id,
-                                                   const std::vector<at::Tensor>& base,
-                                                   const py::capsule& fn,
-                                                   const py::capsule& self) const {
+  // stamps (a timeline's, optional): int64 [slices, kStampCols], row j for slice j <= k:
+  // exchange_clock_ns() when it began and ended, then its layer's exchange stamps (exchange.h)
+  // and when the exchange returned (0 where it did not happen).
+  std::tuple<int64_t, bool, std::vector<at::Tensor>> run(
+      int64_t step_id, const std::vector<at::Tensor>& base, const py::capsule& fn,
+      const py::capsule& self, const c10::optional<at::Tensor>& stamps) const {
     TORCH_CHECK(fn.name() != nullptr && std::string(fn.name()) == kExchangeCapsule,
                 "StepProgram: fn is not a ", kExchangeCapsule, " capsule");
     TORCH_CHECK(static_cast<int64_t>(base.size()) <= n_slots_, "StepProgram: too many inputs");
+    const int64_t last = static_cast<int64_t>(programs_.size()) - 1;
+    int64_t* st = nullptr;
+    if (stamps.has_value()) {
+      const at::Tensor& t = *stamps;
+      TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.device().is_cpu() &&
+                      t.dim() == 2 && t.size(0) == last + 1 && t.size(1) == kStampCols,
+                  "StepProgram: stamps must be a contiguous CPU int64 [", last + 1, ", ",
+                  kStampCols, "]");
+      st = t.data_ptr<int64_t>();
+      std::fill(st, st + t.numel(), int64_t{0});
+    }
     const auto exchange = reinterpret_cast<ExchangeFn>(fn.get_pointer());
     void* obj = self.get_pointer();
     py::gil_scoped_release nogil;
     c10::InferenceMode inference;
     std::vector<at::Tensor> slots(base);
     slots.resize(n_slots_);
-    const int64_t last = static_cast<int64_t>(programs_.size()) - 1;
-    std::vector<at::Tensor> args;
+    std::vector<at::Tensor> args, dead;  // dead: values replaced, freed while the node attends
+    ExchangeExtra extra;
+    extra.idle = [](void* p) { static_cast<std::vector<at::Tensor>*>(p)->clear(); };
+    extra.idle_arg = &dead;
     for (int64_t k = 0;; ++k) {
+      int64_t* row = st != nullptr ? st + k * kStampCols : nullptr;
+      if (row != nullptr) row[0] = exchange_clock_ns();
+      dead.clear();
       args.clear();
       for (int64_t s : inputs_[k]) {
         TORCH_CHECK(slots[s].defined(), "StepProgram: slice ", k, " reads slot ", s,
@@ -306,15 +325,23 @@ class StepProgram {
         args.push_back(slots[s]);
       }
       std::vector<at::Tensor> out = programs_[k]->run(args);
+      if (row != nullptr) row[1] = exchange_clock_ns();
       if (k == last) return {k, false, std::move(out)};
-      for (size_t j = 0; j < out.size(); ++j) slots[outputs_[k][j]] = out[j];
+      for (size_t j = 0; j < out.size(); ++j)
+        dead.push_back(std::exchange(slots[outputs_[k][j]], out[j]));
+      dead.push_back(std::move(slots[attn_out_]));
+      for (at::Tensor& a : args) dead.push_back(std::move(a));
       at::Tensor o;
+      extra.stamps = row != nullptr ? row + 2 : nullptr;
       const int status = exchange(obj, step_id, k, slots[qkv_[0]], slots[qkv_[1]],
-                                  slots[qkv_[2]], &o);
+                                  slots[qkv_[2]], &o, extra);
+      if (row != nullptr) row[2 + kExchangeStamps] = exchange_clock_ns();
       if (status != kAnswered) return {k, status == kSentOnly, std::move(out)};
       slots[attn_out_] = std::move(o);
     }
   }
+
+  static constexpr int64_t kStampCols = 3 + kExchangeStamps;
 
  private:
   std::vector<py::object> owners_;  // keep the programs alive
@@ -344,8 +371,11 @@ void bind_slice_program(py::module_& m) {
            py::arg("programs"), py::arg("inputs"), py::arg("outputs"), py::arg("n_slots"),
            py::arg("qkv"), py::arg("attn_out"))
       .def("run", &StepProgram::run, py::arg("step_id"), py::arg("base"), py::arg("fn"),
-           py::arg("self"),
-           "run(step_id, base: list[Tensor], fn, self) -> (k, sent, list[Tensor]): slice k's "
-           "outputs, k the last slice or the layer whose exchange did not answer (sent: its "
-           "ATTEND is out) (GIL released inside)");
+           py::arg("self"), py::arg("stamps") = py::none(),
+           "run(step_id, base: list[Tensor], fn, self, stamps=None) -> (k, sent, list[Tensor]): "
+           "slice k's outputs, k the last slice or the layer whose exchange did not answer "
+           "(sent: its ATTEND is out) (GIL released inside); stamps: int64 [slices, "
+           "STAMP_COLS], each slice's start, end, exchange stamps and return (clock ns)")
+      .def_property_readonly_static("STAMP_COLS",
+                                    [](py::object) { return StepProgram::kStampCols; });
 }

@@ -240,13 +240,16 @@ class AttendPlane {
   // The plane as an ExchangeFn (exchange.h) for a whole-step program in this process, under the
   // same rule as attend(): the whole layer, one node holding every key of the step's requests.
   static int exchange(void* self, int64_t step_id, int64_t layer, const at::Tensor& q,
-                      const at::Tensor& k, const at::Tensor& v, at::Tensor* o) {
+                      const at::Tensor& k, const at::Tensor& v, at::Tensor* o,
+                      const ExchangeExtra& extra) {
     at::Tensor lse;
     int64_t t0, t1;
-    return static_cast<AttendPlane*>(self)->attend_tensors(step_id, layer, -1, -1, q, k, v, o,
-                                                           &lse, &t0, &t1)
-               ? kAnswered
-               : kDeclined;
+    if (extra.idle != nullptr) extra.idle(extra.idle_arg);
+    if (!static_cast<AttendPlane*>(self)->attend_tensors(step_id, layer, -1, -1, q, k, v, o, &lse,
+                                                         &t0, &t1))
+      return kDeclined;
+    if (int64_t* st = extra.stamps; st != nullptr) st[0] = t0, st[1] = t0, st[2] = t1;
+    return kAnswered;
   }
 
  private:

@@ -74,14 +74,39 @@ def test_a_whole_step_is_the_stepwise_path_bit_for_bit(arch):
         for node in (one, other):
             node.prepare(PrepareMsg(step_id, works))
         exchange = one.native_exchange()
+        stamps = _stamps(replica)
         k, sent, context, qkv, got = replica.run_step(step_id, _values(split, ids, pos),
-                                                      exchange)
+                                                      exchange, stamps)
         exchange.done()
         assert (k, sent, context, qkv) == (split.num_layers, False, None, None)
+        _check_stamps(stamps.tolist(), k)
         want = _stepwise(replica, other.attend, step_id, _values(split, ids, pos))
         assert torch.equal(got, want)
     assert torch.equal(one.pool.k_cache, other.pool.k_cache)
     assert torch.equal(one.pool.v_cache, other.pool.v_cache)
+
+
+def _stamps(replica) -> torch.Tensor:
+    """A stamps buffer full of garbage (run_step must clear what it does not write)."""
+    return torch.full((len(replica.split.slices), replica.step.STAMP_COLS), -7, dtype=torch.int64)
+
+
+def _check_stamps(rows: list[list[int]], k: int, answered: int | None = None) -> None:
+    """Row j <= k of a run_step's stamps, on one clock: the slice, then its exchange's send,
+    the node's attend and the return, before the next slice (layers < ``answered``, all below
+    k by default, were answered in the call; layer k, if not the last, is only sent)."""
+    answered = k if answered is None else answered
+    for j, (start, end, sent, n0, n1, back) in enumerate(rows):
+        if j > k:
+            assert (start, end, sent, n0, n1, back) == (0, 0, 0, 0, 0, 0)
+            continue
+        assert 0 < start <= end
+        if j == len(rows) - 1:  # the last slice samples: no exchange
+            assert (sent, n0, n1, back) == (0, 0, 0, 0)
+        elif j < answered:
+            assert end <= sent <= n0 <= n1 <= back <= rows[j + 1][0]
+        else:
+            assert end <= sent <= back and (n0, n1) == (0, 0)
 
 
 def test_a_layer_the_exchange_declines_is_the_callers_from_there():
@@ -111,8 +136,8 @@ def test_an_in_process_llm_runs_lone_steps_whole_and_matches_transformers(tmp_pa
     whole = []
     real = ComputeReplica.run_step
 
-    def spy(self, step_id, values, exchange):
-        out = real(self, step_id, values, exchange)
+    def spy(self, *args):
+        out = real(self, *args)
         whole.append(out[0] == self.split.num_layers)
         return out
     monkeypatch.setattr(ComputeReplica, "run_step", spy)
@@ -121,6 +146,40 @@ def test_an_in_process_llm_runs_lone_steps_whole_and_matches_transformers(tmp_pa
                                                     ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == want
     assert len(whole) == 8 and all(whole)  # every step, prefill included, in one call
+
+
+def test_a_traced_llm_still_runs_whole_steps_and_records_every_layer(tmp_path, monkeypatch):
+    """With a timeline recording, lone steps still run in one C++ call, and the timeline shows
+    each layer of each step as the slice-at-a-time path would: ``slice j``, ``send``, the
+    node's ``attend j``, ``recv``, in that order."""
+    calls = []
+    real = ComputeReplica.run_step
+
+    def spy(self, step_id, values, exchange, stamps=None):
+        calls.append(stamps is not None)
+        return real(self, step_id, values, exchange, stamps)
+    monkeypatch.setattr(ComputeReplica, "run_step", spy)
+    trace = tmp_path / "trace.json"
+    with LLM(tiny_folder("llama", tmp_path), memory=1, placement="inproc",
+             trace=str(trace)) as llm:
+        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+        spans = llm.timeline.spans
+    layers = tiny_model("llama").config.num_hidden_layers
+    assert calls == [True] * 3
+    for step in {s.args.get("step") for s in spans if s.role == "compute"}:
+        comp = sorted((s for s in spans if s.role == "compute" and s.args.get("step") == step),
+                      key=lambda s: s.start_ns)
+        names = [s.name for s in comp]
+        want = []
+        for j in range(layers):
+            want += [f"slice {j}", "send", "recv"]
+        assert names == want + [f"slice {layers} + sample"]
+        attends = sorted((s for s in spans if s.role == "memory" and s.args.get("step") == step),
+                         key=lambda s: s.start_ns)
+        assert [s.name for s in attends] == [f"attend {j}" for j in range(layers)]
+        for j, a in enumerate(attends):  # between its send and its recv
+            assert comp[3 * j + 1].start_ns <= a.start_ns <= a.end_ns <= comp[3 * j + 2].start_ns
 
 
 class RingNode:
@@ -181,11 +240,13 @@ def test_a_whole_step_over_a_ring_is_the_stepwise_path(late):
                                                    int(0.05e9), 0,  # waits ~50 ms a layer
                                                    skip=MsgKind.OK)
             assert exchange is not None
+            stamps = _stamps(replica)
             try:
                 k, sent, context, qkv, got = replica.run_step(step_id, _values(split, ids, pos),
-                                                              exchange)
+                                                              exchange, stamps)
             finally:
                 exchange.done()
+            _check_stamps(stamps.tolist(), k, late)
             if late is None:
                 assert (k, sent) == (split.num_layers, False)
             else:

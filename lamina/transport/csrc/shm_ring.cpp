@@ -23,7 +23,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -118,9 +117,9 @@ class Writer {
     hd.num_tensors = static_cast<uint32_t>(n);
     hd.meta_len = static_cast<uint32_t>(meta.size());
     hd.total = static_cast<uint64_t>(total);
-    {
-      std::optional<py::gil_scoped_release> nogil;  // large copies let other threads run
-      if (total > kNoGilBytes && PyGILState_Check()) nogil.emplace();
+    const void* src[kMaxDescs];  // taken with the GIL: data_ptr() may throw, the copy must not
+    for (int64_t i = 0; i < n; ++i) src[i] = tensors[i].data_ptr();
+    auto copy = [&] {  // no exception may leave it: without_gil restores no GIL on one
       uint64_t at = h;
       ring_.put(at, &hd, kHeaderBytes), at += kHeaderBytes;
       if (n) ring_.put(at, descs, n * kDescBytes), at += n * kDescBytes;
@@ -128,10 +127,16 @@ class Writer {
       at = h + align(pre);
       for (int64_t i = 0; i < n; ++i) {  // padding bytes are left as they are (never read)
         const int64_t nbytes = static_cast<int64_t>(descs[i].nbytes);
-        if (nbytes) ring_.put(at, tensors[i].data_ptr(), nbytes);
+        if (nbytes) ring_.put(at, src[i], nbytes);
         at += align(nbytes);
       }
       ring_.store(kHead, h + total);
+      return true;
+    };
+    if (total > kNoGilBytes) {
+      without_gil(copy);  // large copies let other threads run
+    } else {
+      copy();
     }
     head += total;
     return ring_.flag_after_fence(kReaderWaits) ? kSentWake : kSent;
@@ -230,23 +235,40 @@ class Reader {
     meta.assign(hd.meta_len, '\0');
     std::vector<at::Tensor> out;
     out.reserve(hd.num_tensors);
-    {
-      std::optional<py::gil_scoped_release> nogil;
-      if (total > kNoGilBytes && PyGILState_Check()) nogil.emplace();
+    for (uint32_t i = 0; i < hd.num_tensors; ++i)  // allocated with the GIL (they may throw)
+      out.push_back(at::empty(c10::IntArrayRef(descs[i].shape, descs[i].ndim),
+                              at::TensorOptions().dtype(by_code(descs[i].code)->type)));
+    auto copy = [&] {  // no exception may leave it: without_gil restores no GIL on one
       if (hd.meta_len) ring_.get(t + kHeaderBytes + hd.num_tensors * kDescBytes, meta.data(),
                                  hd.meta_len);
       uint64_t at = t + align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
       for (uint32_t i = 0; i < hd.num_tensors; ++i) {
-        const Desc& d = descs[i];
-        at::Tensor x = at::empty(c10::IntArrayRef(d.shape, d.ndim),
-                                 at::TensorOptions().dtype(by_code(d.code)->type));
-        if (d.nbytes) ring_.get(at, x.data_ptr(), static_cast<int64_t>(d.nbytes));
-        at += align(static_cast<int64_t>(d.nbytes));
-        out.push_back(std::move(x));
+        const int64_t nbytes = static_cast<int64_t>(descs[i].nbytes);
+        if (nbytes) ring_.get(at, out[i].data_ptr(), nbytes);
+        at += align(nbytes);
       }
+      return true;
+    };
+    if (total > kNoGilBytes) {
+      without_gil(copy);
+    } else {
+      copy();
     }
     pending_ = tail + total;
     return out;
+  }
+
+  // The peeked message's tensors i with dst[i] != nullptr copied there (each dst[i] holds
+  // descs[i].nbytes; the others skipped), without the GIL; commit() then frees it.
+  void read_into(const Header& hd, const Desc* descs, void* const* dst) {
+    const uint64_t t = static_cast<uint64_t>(tail);
+    uint64_t at = t + align(kHeaderBytes + hd.num_tensors * kDescBytes + hd.meta_len);
+    for (uint32_t i = 0; i < hd.num_tensors; ++i) {
+      const int64_t nbytes = static_cast<int64_t>(descs[i].nbytes);
+      if (dst[i] != nullptr && nbytes) ring_.get(at, dst[i], nbytes);
+      at += align(nbytes);
+    }
+    pending_ = tail + static_cast<int64_t>(hd.total);
   }
 
   // Frees the last message read (stores TAIL past it): kTaken, or kTakenWake when the writer
@@ -278,11 +300,11 @@ class Reader {
 // Python way); kEmpty: sent, nothing arrived within the wait; kStream: sent, the next message
 // is recv()'s; kTaken: sent, and the reply's tensors (fresh; its bytes freed). sent_ns: when
 // the message was in the ring (time.perf_counter_ns's clock).
-int64_t exchange_core(Writer& w, Reader& r, int tx_bell, int rx_bell, int64_t sleep_ns,
-                      int space_bell, int64_t step_id, int64_t layer, int64_t reply_to,
-                      const std::vector<at::Tensor>& tensors, int64_t kind, int64_t reply_kind,
-                      int64_t spin_ns, int64_t yield_every, int64_t skip_kind,
-                      int64_t* sent_ns, std::vector<at::Tensor>* got) {
+//
+// In two halves, for callers that work between them (RingExchange): send_request, then
+// await_reply, which leaves a reply peeked (kTaken) for the caller to read and commit().
+int64_t send_request(Writer& w, int tx_bell, int64_t step_id, int64_t layer, int64_t reply_to,
+                     const std::vector<at::Tensor>& tensors, int64_t kind, int64_t* sent_ns) {
   int64_t sent = kIneligible;
   try {
     sent = w.send(kind, step_id, layer, reply_to, std::string(), tensors);
@@ -292,23 +314,43 @@ int64_t exchange_core(Writer& w, Reader& r, int tx_bell, int rx_bell, int64_t sl
   if (sent != kSent && sent != kSentWake) return sent;
   *sent_ns = now_ns();
   if (sent == kSentWake) ring_bell(tx_bell);
+  return kSent;
+}
+
+int64_t await_reply(Reader& r, int rx_bell, int64_t sleep_ns, int space_bell, int64_t step_id,
+                    int64_t layer, int64_t reply_kind, int64_t spin_ns, int64_t yield_every,
+                    int64_t skip_kind, Header& hd, Desc* descs) {
   for (;;) {
     if (!r.arrive(spin_ns, yield_every, yield_every > 0 ? -1 : rx_bell, sleep_ns)) return kEmpty;
-    Header hd;
-    Desc descs[kMaxDescs];
     if (r.peek(hd, descs) != kTaken) return kStream;
-    std::string meta;
     if (hd.kind == skip_kind && hd.num_tensors == 0 && hd.meta_len == 0) {  // dropped
+      std::string meta;
       r.read(hd, descs, meta);
       if (r.commit() == kTakenWake) ring_bell(space_bell);
       continue;
     }
     if (hd.kind != reply_kind || hd.step_id != step_id || hd.layer != layer || hd.meta_len)
       return kStream;
-    *got = r.read(hd, descs, meta);
-    if (r.commit() == kTakenWake) ring_bell(space_bell);
     return kTaken;
   }
+}
+
+int64_t exchange_core(Writer& w, Reader& r, int tx_bell, int rx_bell, int64_t sleep_ns,
+                      int space_bell, int64_t step_id, int64_t layer, int64_t reply_to,
+                      const std::vector<at::Tensor>& tensors, int64_t kind, int64_t reply_kind,
+                      int64_t spin_ns, int64_t yield_every, int64_t* sent_ns,
+                      std::vector<at::Tensor>* got) {
+  const int64_t sent = send_request(w, tx_bell, step_id, layer, reply_to, tensors, kind, sent_ns);
+  if (sent != kSent) return sent;
+  Header hd;
+  Desc descs[kMaxDescs];
+  const int64_t status = await_reply(r, rx_bell, sleep_ns, space_bell, step_id, layer, reply_kind,
+                                     spin_ns, yield_every, -1, hd, descs);
+  if (status != kTaken) return status;
+  std::string meta;
+  *got = r.read(hd, descs, meta);
+  if (r.commit() == kTakenWake) ring_bell(space_bell);
+  return kTaken;
 }
 
 py::tuple exchange(Writer& w, Reader& r, int tx_bell, int rx_bell, int64_t sleep_ns,
@@ -324,7 +366,7 @@ py::tuple exchange(Writer& w, Reader& r, int tx_bell, int rx_bell, int64_t sleep
   int64_t sent_ns;
   const int64_t status = exchange_core(w, r, tx_bell, rx_bell, sleep_ns, space_bell, step_id,
                                        layer, reply_to, ts, kind, reply_kind, spin_ns,
-                                       yield_every, -1, &sent_ns, &out);
+                                       yield_every, &sent_ns, &out);
   if (status != kTaken) return py::make_tuple(status, sent_ns, py::none());
   py::list got(out.size());
   for (size_t i = 0; i < out.size(); ++i) got[i] = py::cast(std::move(out[i]));
@@ -347,18 +389,41 @@ class RingExchange {
         kind_(kind), reply_kind_(reply_kind), spin_ns_(spin_ns), yield_every_(yield_every),
         skip_kind_(skip_kind) {}
 
+  // The RESULT's tensors are o, lse and the node's (start, end) ns (memnode's write_result).
+  // While the node attends, after the caller's idle work, o's memory is allocated: the reply
+  // lands there and in stamps, without a fresh tensor per RESULT on the critical path.
   static int fn(void* self, int64_t step_id, int64_t layer, const at::Tensor& q,
-                const at::Tensor& k, const at::Tensor& v, at::Tensor* o) {
+                const at::Tensor& k, const at::Tensor& v, at::Tensor* o,
+                const ExchangeExtra& extra) {
     auto* x = static_cast<RingExchange*>(self);
+    int64_t* st = extra.stamps;
+    if (st != nullptr) std::fill(st, st + kExchangeStamps, int64_t{0});
     int64_t sent_ns;
-    std::vector<at::Tensor> got;
-    const int64_t status = exchange_core(
-        *x->w_, *x->r_, x->tx_bell_, x->rx_bell_, x->sleep_ns_, x->space_bell_, step_id, layer,
-        x->reply_to_, {q, k, v}, x->kind_, x->reply_kind_, x->spin_ns_, x->yield_every_,
-        x->skip_kind_, &sent_ns, &got);
-    if (status != kTaken) return status >= kEmpty ? kSentOnly : kDeclined;
-    if (got.empty()) return kSentOnly;  // not a RESULT's tensors: cannot happen (peeked kind)
-    *o = std::move(got[0]);
+    if (send_request(*x->w_, x->tx_bell_, step_id, layer, x->reply_to_, {q, k, v}, x->kind_,
+                     &sent_ns) != kSent)
+      return kDeclined;
+    if (st != nullptr) st[0] = sent_ns;
+    if (extra.idle != nullptr) extra.idle(extra.idle_arg);
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    Header hd;
+    Desc descs[kMaxDescs];
+    if (await_reply(*x->r_, x->rx_bell_, x->sleep_ns_, x->space_bell_, step_id, layer,
+                    x->reply_kind_, x->spin_ns_, x->yield_every_, x->skip_kind_, hd,
+                    descs) != kTaken)
+      return kSentOnly;
+    const Desc& d = descs[0];
+    const int64_t span_code = by_type(at::kLong)->code;
+    if (hd.num_tensors != 3 || by_code(d.code)->type != q.scalar_type() ||
+        !std::equal(q.sizes().begin(), q.sizes().end(), d.shape, d.shape + d.ndim) ||
+        static_cast<int64_t>(d.ndim) != q.dim() || descs[2].code != span_code ||
+        descs[2].nbytes != 2 * sizeof(int64_t))
+      return kSentOnly;  // not a RESULT of this ATTEND: recv()'s, which raises on it
+    int64_t span[2];
+    void* const dst[3] = {out.data_ptr(), nullptr, span};
+    x->r_->read_into(hd, descs, dst);
+    if (x->r_->commit() == kTakenWake) ring_bell(x->space_bell_);
+    if (st != nullptr) st[1] = span[0], st[2] = span[1];
+    *o = std::move(out);
     return kAnswered;
   }
 
