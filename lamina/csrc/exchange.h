@@ -26,9 +26,9 @@ inline int64_t exchange_clock_ns() {  // the stamps' clock: time.perf_counter_ns
 //   here within one wait); the caller receives it the Python way.
 // Called without the GIL, with `extra` (each field optional):
 struct ExchangeExtra {
-  // The layer's times for a timeline (time.perf_counter_ns's clock, 0 where unknown): [0] when
-  // the ATTEND was out (in this process: when the node began), [1] / [2] when the node's append
-  // and kernel began / ended.
+  // The layer's times for a timeline (time.perf_counter_ns's clock), each written where known
+  // (the caller zeroes them): [0] when the ATTEND was out (in this process: when the node
+  // began), [1] / [2] when the node's append and kernel began / ended.
   int64_t* stamps = nullptr;
   // Called at most once, with idle_arg, once the ATTEND is out and before its RESULT is awaited
   // (in this process: before the node begins): the caller's tidying, off the critical path.

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "exchange.h"
 #include "ring_layout.h"
 
 namespace lamina_ring {
@@ -109,11 +110,7 @@ bool spin(Ready ready, int64_t timeout_ns, int64_t yield_every) {
   }
 }
 
-inline int64_t now_ns() {  // time.perf_counter_ns's clock
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
+inline int64_t now_ns() { return exchange_clock_ns(); }  // time.perf_counter_ns's clock
 
 inline void ring_bell(int fd) {  // a doorbell's wake-up (-1: no doorbell)
   if (fd < 0) return;

@@ -397,7 +397,6 @@ class RingExchange {
                 const ExchangeExtra& extra) {
     auto* x = static_cast<RingExchange*>(self);
     int64_t* st = extra.stamps;
-    if (st != nullptr) std::fill(st, st + kExchangeStamps, int64_t{0});
     int64_t sent_ns;
     if (send_request(*x->w_, x->tx_bell_, step_id, layer, x->reply_to_, {q, k, v}, x->kind_,
                      &sent_ns) != kSent)
@@ -415,7 +414,7 @@ class RingExchange {
     const int64_t span_code = by_type(at::kLong)->code;
     if (hd.num_tensors != 3 || by_code(d.code)->type != q.scalar_type() ||
         !std::equal(q.sizes().begin(), q.sizes().end(), d.shape, d.shape + d.ndim) ||
-        static_cast<int64_t>(d.ndim) != q.dim() || descs[2].code != span_code ||
+        descs[2].code != span_code ||
         descs[2].nbytes != 2 * sizeof(int64_t))
       return kSentOnly;  // not a RESULT of this ATTEND: recv()'s, which raises on it
     int64_t span[2];
