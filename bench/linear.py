@@ -58,6 +58,16 @@ def _time(fn, reps: int) -> float:
     return best
 
 
+def kernels(threads: int):
+    """The C++ extension, with this process's torch threads set (exits where it does not
+    build)."""
+    torch.set_num_threads(threads)
+    ext = cpp_ext.load()
+    if ext is None:
+        raise SystemExit(f"the C++ kernels are unavailable: {cpp_ext.build_error()}")
+    return ext
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -67,10 +77,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the weights' dtype")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    ext = cpp_ext.load()
-    if ext is None:
-        raise SystemExit(f"the C++ kernels are unavailable: {cpp_ext.build_error()}")
+    ext = kernels(args.threads)
     g = torch.Generator().manual_seed(0)
     dtype = getattr(torch, args.dtype)
     weights = [(torch.randn(n, k, generator=g) / k ** 0.5).to(dtype) for n, k in SHAPES]

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from lamina.computenode import linear_groups
 from lamina.computenode.fast_ops import constant
 from lamina.config import kernels_in_use
 from lamina.device import advise_huge_pages, huge_page_zeros
@@ -153,14 +154,19 @@ def amx_layout(ext) -> bool:
     return ext.pack_linear_weight(torch.empty(1, 0, dtype=torch.bfloat16)).shape[-1] == 2
 
 
-def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
+def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None,
+                      group: bool | None = None) -> int:
     """Point ``gm``'s ``aten.linear`` nodes at :func:`skinny_linear` (in place, recompiled);
     with ``pack`` (default: :func:`packing_available`) every float32 or bfloat16 CPU weight
     that is a constant of ``gm`` is packed once for the C++ kernel (a buffer
     ``_lamina_panels_<i>`` of ``gm``: a view of one huge-page allocation per dtype), unless
     twice the packed bytes exceed the host's available memory (then ``gm`` keeps the unpacked
     paths), and its node calls ``ext.packed_linear``: :func:`skinny_linear`'s choice between
-    the packed kernel and ``F.linear``, made in C++. Returns how many nodes were changed."""
+    the packed kernel and ``F.linear``, made in C++. With ``group`` (default: packing, unless
+    the ``linear`` choice is the exact ``gguf``, which has no group kernel), linear nodes that
+    read the same rows (:func:`lamina.computenode.linear_groups.groups`) are packed back to back
+    and become one ``ext.packed_linear_group`` node. Returns how many linear nodes were
+    changed."""
     global _ext, _bf16_rows
     if pack is None:
         pack = packing_available()
@@ -176,23 +182,30 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
     if ext is not None and 2 * sum(w.nbytes for w in weights if w is not None) > free_memory():
         ext = None  # the packed copies would not fit beside what the host still has free
     arenas, layouts = _arenas(ext, weights) if ext is not None else ({}, {})
-    n = 0
-    for node, weight in zip(nodes, weights):
+    if group is None:
+        group = kernels_in_use().linear != "gguf"
+    found = linear_groups.groups(nodes, weights, lambda k: layouts[torch.float32, k][2]) \
+        if ext is not None and group else []
+    in_group = {i: g for g in found for i in g}
+    for i, (node, weight) in enumerate(zip(nodes, weights)):
         node.target = skinny_linear
-        n += 1
-        if ext is None or weight is None:
-            continue
-        name = f"_lamina_panels_{n}"
-        _, steps, rows, lanes = layouts[weight.dtype, weight.shape[1]]
-        shape = (-(-weight.shape[0] // rows), steps, rows, lanes)
-        arena, at = arenas[weight.dtype]
-        panels = arena[at:at + math.prod(shape)].view(shape)  # zeros (huge_page_zeros)
-        if not pack_into(weight.detach(), panels):
-            panels.copy_(ext.pack_linear_weight(weight.detach()))
-        arenas[weight.dtype] = (arena, at + panels.numel())
+        if ext is None or weight is None or (i in in_group and in_group[i][0] != i):
+            continue  # a later member of a group: packed with its first
+        members = in_group.get(i, [i])
+        start = arenas[weight.dtype][1]
+        for j in members:
+            panels = _pack(nodes[j], weights[j], arenas, layouts)
+        name = f"_lamina_panels_{i}"
+        if len(members) > 1:  # the group's panels back to back: one tensor
+            arena, end = arenas[weight.dtype]
+            panels = arena[start:end].view(-1, *panels.shape[1:])
         gm.register_buffer(name, panels, persistent=False)
         with gm.graph.inserting_before(node):
             panels_node = gm.graph.get_attr(name)
+        if len(members) > 1:
+            linear_groups.use_group(gm, [nodes[j] for j in members], ext.packed_linear_group,
+                                    (panels_node, SKINNY_ROWS))
+            continue
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         # skinny_linear's dispatch, in C++: the slice calls the extension directly
         node.target = ext.packed_linear
@@ -200,6 +213,18 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None) -> int:
         node.kwargs = {}
     for arena, _ in arenas.values():
         advise_huge_pages(arena)  # packed: khugepaged may collapse it from now on
-    if n:
+    if nodes:
         gm.recompile()
-    return n
+    return len(nodes)
+
+
+def _pack(node: fx.Node, weight: torch.Tensor, arenas: dict, layouts: dict) -> torch.Tensor:
+    """``weight`` packed into the next free part of its dtype's arena (advanced): its panels."""
+    _, steps, rows, lanes = layouts[weight.dtype, weight.shape[1]]
+    shape = (-(-weight.shape[0] // rows), steps, rows, lanes)
+    arena, at = arenas[weight.dtype]
+    panels = arena[at:at + math.prod(shape)].view(shape)  # zeros (huge_page_zeros)
+    if not pack_into(weight.detach(), panels):
+        panels.copy_(_ext.pack_linear_weight(weight.detach()))
+    arenas[weight.dtype] = (arena, at + panels.numel())
+    return panels

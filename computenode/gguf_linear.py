@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from lamina.computenode.fast_ops import constant
+from lamina.computenode.linear_groups import retarget
 from lamina.config import GGUF_KERNELS, kernels_in_use
 from lamina.kernels import cpp_ext
 
@@ -136,11 +137,52 @@ def gguf_q8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return _ext.packed_linear(x, weight, bias, panels, max_rows, max_rows_same)
 
 
+def gguf_q8_linear_group(x: torch.Tensor, weights: list[torch.Tensor], panels: torch.Tensor,
+                         max_rows: int, packed: torch.Tensor, kind: int) -> list[torch.Tensor]:
+    """:func:`gguf_q8_linear` of several weights that read ``x`` (a group node of
+    :mod:`lamina.computenode.linear_groups`): ``packed`` is their blocks concatenated, then
+    repacked; ``x`` is quantised once."""
+    if x.dtype == torch.float32:
+        return _ext.quant_linear_q8_group(x, packed, [w.shape[0] for w in weights], kind)
+    return _ext.packed_linear_group(x, weights, panels, max_rows)
+
+
+def _blocks_of(blocks: dict, w_node) -> str | None:
+    """The key of ``blocks`` that ``w_node`` (a get_attr of a weight) reads, under any prefix."""
+    if not isinstance(w_node, fx.Node) or w_node.op != "get_attr":
+        return None
+    return next((k for k in blocks if w_node.target == k or w_node.target.endswith("." + k)), None)
+
+
+def _group_on_blocks(gm: fx.GraphModule, node: fx.Node, blocks: dict, ext, n: int) -> bool:
+    """Point a ``packed_linear_group`` node at :func:`gguf_q8_linear_group` where every weight
+    has blocks of one type, whole groups of 8 rows; whether it did."""
+    names = [_blocks_of(blocks, w) for w in node.args[1]]
+    if any(name is None for name in names) or len({blocks[k][0] for k in names}) != 1:
+        return False
+    kind = blocks[names[0]][0]
+    for name, w_node in zip(names, node.args[1]):
+        weight, b = constant(gm, w_node), blocks[name][1]
+        N, K = weight.shape
+        if b.shape[0] != N or b.shape[1] != K // 32 * BLOCK_BYTES[kind] or N % 8:
+            return False
+    attr = f"_lamina_blocks_{n}"
+    gm.register_buffer(attr, ext.pack_q8_weight(torch.cat([blocks[k][1] for k in names]), kind),
+                       persistent=False)
+    with gm.graph.inserting_before(node):
+        b_node = gm.graph.get_attr(attr)
+    retarget(node, gguf_q8_linear_group, (*node.args[2:4], b_node, kind))
+    return True
+
+
 def use_gguf_linear(gm: fx.GraphModule, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
     """Point ``gm``'s packed linear nodes whose weight (a constant named after transformers'
     parameter, under any prefix) has ``blocks`` at :func:`gguf_linear`, or at
     :func:`gguf_q8_linear` (with the blocks repacked) where this process's linear choice is
-    ``gguf-q8``; checks shapes. In place, recompiled; returns how many nodes were changed."""
+    ``gguf-q8``; checks shapes. Under ``gguf-q8`` a group node
+    (:mod:`lamina.computenode.linear_groups`) whose weights all have blocks of one type runs on
+    them too (:func:`gguf_q8_linear_group`). In place, recompiled; returns how many nodes were
+    changed."""
     global _ext
     ext = cpp_ext.load()
     if ext is None:
@@ -151,12 +193,14 @@ def use_gguf_linear(gm: fx.GraphModule, blocks: dict[str, tuple[int, torch.Tenso
     packs: dict[int, torch.Tensor] = {}  # id(blocks) -> repacked: a tied head's blocks once
     n = 0
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is ext.packed_linear_group:
+            n += q8 and _group_on_blocks(gm, node, blocks, ext, n)
+            continue
         if node.op != "call_function" or node.target is not ext.packed_linear:
             continue
         w_node = node.args[1]
         weight = constant(gm, w_node)
-        name = next((k for k in blocks if isinstance(w_node, fx.Node) and w_node.op == "get_attr"
-                     and (w_node.target == k or w_node.target.endswith("." + k))), None)
+        name = _blocks_of(blocks, w_node)
         if weight is None or name is None or weight.dtype != torch.float32:
             continue
         kind, b = blocks[name]

@@ -34,7 +34,7 @@ __all__ = ["NotTranslatable", "native_programs", "slice_program", "step_program"
 
 # opcodes of slice_program.cpp
 ATEN, SIZE, GETITEM, PACKED_LINEAR, QUANT_LINEAR, QUANT_LINEAR_Q8, RMS_NORM, SILU_MUL, ROPE, \
-    GGUF_LINEAR, GGUF_Q8_LINEAR = range(11)
+    GGUF_LINEAR, GGUF_Q8_LINEAR, PACKED_LINEAR_GROUP, GGUF_Q8_LINEAR_GROUP = range(13)
 KERNEL_OPS = {"packed_linear": PACKED_LINEAR, "quant_linear": QUANT_LINEAR,
               "quant_linear_q8": QUANT_LINEAR_Q8, "rms_norm": RMS_NORM, "silu_mul": SILU_MUL,
               "rope": ROPE}
@@ -104,6 +104,12 @@ def _instruction(node: fx.Node, kernels: dict, ext: Any) -> tuple[int, str, str,
         raise NotTranslatable(f"{node.name}: keyword arguments to {target}")
     if target in kernels:
         return kernels[target], "", "", plain
+    if target is getattr(ext, "packed_linear_group", None):  # (x, weights, ...): a list
+        return PACKED_LINEAR_GROUP, "", "", _group_args(node)
+    if target is gguf_linear.gguf_q8_linear_group:
+        if gguf_linear._ext is not ext:
+            raise NotTranslatable(f"{node.name}: its GGUF kernels are another build's")
+        return GGUF_Q8_LINEAR_GROUP, "", "", _group_args(node)
     if target is gguf_linear.gguf_linear or target is gguf_linear.gguf_q8_linear:
         if gguf_linear._ext is not ext:
             raise NotTranslatable(f"{node.name}: its GGUF kernels are another build's")
@@ -133,6 +139,11 @@ def _instruction(node: fx.Node, kernels: dict, ext: Any) -> tuple[int, str, str,
                                                                     schema.arguments}:
         raise NotTranslatable(f"{node.name}: arguments that {schema.name} does not take")
     return ATEN, schema.name, schema.overload_name, args
+
+
+def _group_args(node: fx.Node) -> list:
+    """A linear group node's arguments (``x, [weights], ...``), the weights typed as a list."""
+    return [(a, "List[Tensor]" if i == 1 else None) for i, a in enumerate(node.args)]
 
 
 def _arg(v: Any, reg: dict[fx.Node, int], type_: str | None) -> tuple:

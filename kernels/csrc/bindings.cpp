@@ -41,6 +41,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "packed_linear(x[..., K], weight[N, K], bias|None, panels, max_rows, max_rows_same) -> "
         "F.linear(x, weight, bias): skinny_linear on the panels up to max_rows rows of float32 x "
         "(max_rows_same of x in the weight's dtype), at::linear otherwise", nogil);
+  m.def("skinny_linear_group", &skinny_linear_group,
+        "skinny_linear_group(x[M,K] float32, panels, Ns) -> [y_i[M,N_i]]: float32 weights that "
+        "read the same x, packed back to back (every N_i a multiple of NR), in one call; each "
+        "y_i as skinny_linear(x, its own panels, N_i, None) computes it", nogil);
+  m.def("packed_linear_group", &packed_linear_group,
+        "packed_linear_group(x[..., K], weights[N_i, K], panels, max_rows) -> [F.linear(x, w_i)]: "
+        "skinny_linear_group on the panels up to max_rows rows of float32 x, at::linear "
+        "otherwise", nogil);
   m.def("quant_linear", &quant_linear,
         "quant_linear(x[..., K] float32, blocks[N, K/32 * bytes] uint8, ggml type (Q4_0 2, "
         "Q4_1 3, Q8_0 8), bias) -> y[..., N] float32", nogil);
@@ -53,6 +61,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_q8", &quant_linear_q8,
         "quant_linear_q8(x[..., K] float32, packed, N, ggml type, bias) -> y[..., N] float32: "
         "quant_linear with x quantised to 8 bits per block of 32 and integer dot products", nogil);
+  m.def("quant_linear_q8_group", &quant_linear_q8_group,
+        "quant_linear_q8_group(x[..., K] float32, packed, Ns, ggml type) -> [y_i[..., N_i]]: "
+        "weights of one type packed back to back (the rows' blocks concatenated, then "
+        "pack_q8_weight; every N_i a multiple of 8), x quantised once", nogil);
   bind_slice_program(m);
   m.def("rms_norm", &rms_norm, "rms_norm(x[..., D], w[D], eps) -> w * (x * rsqrt(mean(x^2, -1) + eps))", nogil);
   m.def("silu_mul", &silu_mul, "silu_mul(a, b) -> silu(a) * b", nogil);

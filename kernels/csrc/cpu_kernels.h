@@ -6,6 +6,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 // paged_attention_cpu.cpp
 std::tuple<at::Tensor, at::Tensor> paged_attention(
@@ -26,6 +27,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias, const at::Tensor& panels,
                          int64_t max_rows, int64_t max_rows_same);
+// a group of weights that read the same x, packed back to back (linear_outputs.h)
+std::vector<at::Tensor> skinny_linear_group(const at::Tensor& x, const at::Tensor& panels,
+                                            const std::vector<int64_t>& ns);
+std::vector<at::Tensor> packed_linear_group(const at::Tensor& x,
+                                            const std::vector<at::Tensor>& weights,
+                                            const at::Tensor& panels, int64_t max_rows);
 
 // quant_linear_cpu.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
@@ -36,6 +43,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x);
 at::Tensor pack_q8_weight(const at::Tensor& blocks, int64_t kind);
 at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            int64_t kind, const c10::optional<at::Tensor>& bias);
+std::vector<at::Tensor> quant_linear_q8_group(const at::Tensor& x, const at::Tensor& packed,
+                                              const std::vector<int64_t>& ns, int64_t kind);
 
 // fused_cpu.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

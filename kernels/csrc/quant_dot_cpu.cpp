@@ -41,8 +41,11 @@
 #endif
 
 #include "ggml_blocks.h"
+#include "linear_outputs.h"
 
 namespace {
+
+using lamina_linear::Outputs;
 
 constexpr int64_t kQK = 32;  // weights per block
 constexpr int kMR = 4;       // rows of x per pass over a weight row
@@ -240,24 +243,22 @@ inline void tail(int64_t r, const int8_t* xq, const float* xd, const float* xs, 
 
 template <int KIND>
 void run(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
-         const uint8_t* packed, int64_t N, const float* bias, float* y) {
+         const uint8_t* packed, int64_t groups, const Outputs& out) {
   const int64_t KB = K / kQK, group_bytes = KB * packed_bytes(KIND);
-  const int64_t groups = (N + kNR - 1) / kNR;
   const int64_t grain =
       std::max<int64_t>(1, lamina_ggml::kTaskBytes / std::max<int64_t>(group_bytes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = packed + g * group_bytes;
-      const int64_t n = g * kNR;
-      const int valid = static_cast<int>(std::min<int64_t>(kNR, N - n));
-      const float* b = bias ? bias + n : nullptr;
+      const Outputs::At o = out.at(g, kNR);
+      const int valid = static_cast<int>(o.nc);
       int64_t m = 0;
       for (; m + kMR <= M; m += kMR)
-        group_dot<KIND, kMR>(xq + m * K, xd + m * KB, xs + m * KB, K, wg, KB, y + m * N + n, N,
-                             b, valid);
+        group_dot<KIND, kMR>(xq + m * K, xd + m * KB, xs + m * KB, K, wg, KB, o.y + m * o.ld,
+                             o.ld, o.bias, valid);
       if (m < M)
         tail<KIND, kMR - 1>(M - m, xq + m * K, xd + m * KB, xs + m * KB, K, wg, KB,
-                            y + m * N + n, N, b, valid);
+                            o.y + m * o.ld, o.ld, o.bias, valid);
     }
   });
 }
@@ -269,6 +270,28 @@ at::Tensor rows_of(const at::Tensor& x, const char* what) {
               ") must be a multiple of 32");
   return x.reshape({-1, x.size(-1)}).contiguous();
 }
+
+// x's rows quantised once per call (ggml's Q8_1 blocks), and the kernel run on them. Plain
+// vectors, no tensors: a call costs ~2 us less.
+struct Activations {
+  int64_t M, K, KB;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  explicit Activations(const at::Tensor& xc)
+      : M(xc.size(0)), K(xc.size(1)), KB(K / kQK), q(M * K), d(M * KB), s(M * KB) {
+    for (int64_t m = 0; m < M; ++m)
+      quantize_row(xc.data_ptr<float>() + m * K, K, q.data() + m * K, d.data() + m * KB,
+                   s.data() + m * KB);
+  }
+  void apply(int64_t kind, const at::Tensor& packed, const Outputs& out) const {
+    const uint8_t* wp = packed.data_ptr<uint8_t>();
+    const int64_t groups = packed.size(0);
+    if (kind == 2) run<2>(q.data(), d.data(), s.data(), M, K, wp, groups, out);
+    else if (kind == 3) run<3>(q.data(), d.data(), s.data(), M, K, wp, groups, out);
+    else if (kind == 12) run<12>(q.data(), d.data(), s.data(), M, K, wp, groups, out);
+    else run<8>(q.data(), d.data(), s.data(), M, K, wp, groups, out);
+  }
+};
 
 }  // namespace
 
@@ -333,13 +356,8 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_
   TORCH_CHECK(packed.size(0) == (N + kNR - 1) / kNR && packed.size(1) * kQK == K * pb,
               "quant_linear_q8: x has ", K, " inputs and N = ", N, "; packed is ",
               packed.sizes(), " (", pb, " bytes per 8 rows x 32 weights)");
-  const at::Tensor xc = rows_of(x, "quant_linear_q8");
-  const int64_t M = xc.size(0), KB = K / kQK;
-  std::vector<int8_t> q(M * K);  // the activations' blocks (no tensors: a call costs ~2 us less)
-  std::vector<float> d(M * KB), s(M * KB);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(xc.data_ptr<float>() + m * K, K, q.data() + m * K, d.data() + m * KB,
-                 s.data() + m * KB);
+  const Activations a(rows_of(x, "quant_linear_q8"));
+  const int64_t M = a.M;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -349,15 +367,30 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_
     bc = bias->to(at::kFloat).contiguous();
   }
   const float* bp = bc ? bc->data_ptr<float>() : nullptr;
-  const int8_t* qp = q.data();
-  const float *dp = d.data(), *sp = s.data();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  if (M > 0 && N > 0) {
-    if (kind == 2) run<2>(qp, dp, sp, M, K, wp, N, bp, yp);
-    else if (kind == 3) run<3>(qp, dp, sp, M, K, wp, N, bp, yp);
-    else if (kind == 12) run<12>(qp, dp, sp, M, K, wp, N, bp, yp);
-    else run<8>(qp, dp, sp, M, K, wp, N, bp, yp);
-  }
+  if (M > 0 && N > 0)
+    a.apply(kind, packed, Outputs::one(y.data_ptr<float>(), N, bp));
   return y.view(shape);
+}
+
+std::vector<at::Tensor> quant_linear_q8_group(const at::Tensor& x, const at::Tensor& packed,
+                                              const std::vector<int64_t>& ns, int64_t kind) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+              packed.is_contiguous(),
+              "quant_linear_q8_group: packed must be pack_q8_weight's tensor");
+  const int64_t pb = block_bytes(kind) ? packed_bytes(kind) : 0, K = x.size(-1);
+  TORCH_CHECK(packed.size(1) * kQK == K * pb, "quant_linear_q8_group: x has ", K,
+              " inputs; packed is ", packed.sizes());
+  const Activations a(rows_of(x, "quant_linear_q8_group"));
+  Outputs out;
+  std::vector<at::Tensor> ys;
+  const int64_t covered = out.add_group(ns, a.M, kNR, ys, x.options());
+  TORCH_CHECK(covered == packed.size(0), "quant_linear_q8_group: the Ns (", covered,
+              " groups of 8 rows) do not match the packed weights (", packed.size(0), ")");
+  if (a.M > 0) a.apply(kind, packed, out);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  for (at::Tensor& y : ys) {
+    shape.back() = y.size(1);
+    y = y.view(shape);
+  }
+  return ys;
 }

@@ -49,9 +49,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "linear_outputs.h"
 #include "simd.h"
 
 namespace {
+
+using lamina_linear::Outputs;
 
 #if LAMINA_AVX2
 // ---- AVX2: the dot-product shape (see the top of the file) ----------------------------------
@@ -110,12 +113,10 @@ inline void block(const float* x, int64_t ldx, int64_t K, const W* panel, int64_
 }
 
 template <typename W>
-void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bias,
-         at::Tensor& y) {
+void run(const at::Tensor& x, const at::Tensor& panels, const Outputs& out) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), KG = panels.size(1);
   const float* xp = x.data_ptr<float>();
   const W* pp = panels.data_ptr<W>();
-  float* yp = y.data_ptr<float>();
   const int64_t nblocks = (M + kMR - 1) / kMR, panel_elems = KG * kNR * kLanes;
   // With one block the weight stream is all there is: the hardware prefetcher keeps up.
   // With several, the next panel's lines are spread over all the steps of this panel.
@@ -124,17 +125,17 @@ void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* 
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = pp + p * panel_elems;
-      const int nc = static_cast<int>(std::min(kNR, N - p * kNR));
+      const Outputs::At o = out.at(p, kNR);
+      const int nc = static_cast<int>(o.nc);
       const char* pf = reinterpret_cast<const char*>(panel + panel_elems);
       const char* pf_end = p + 1 < p1 ? pf + lines * 64 : pf;
       for (int64_t m0 = 0; m0 < M; m0 += kMR) {
         const float* xb = xp + m0 * K;
-        float* yb = yp + m0 * N + p * kNR;
-        const float* bb = bias ? bias + p * kNR : nullptr;
+        float* yb = o.y + m0 * o.ld;
         if (M - m0 >= kMR)
-          block<kMR, W>(xb, K, K, panel, KG, yb, N, nc, bb, pf, pf_end, lpi);
+          block<kMR, W>(xb, K, K, panel, KG, yb, o.ld, nc, o.bias, pf, pf_end, lpi);
         else
-          block<1, W>(xb, K, K, panel, KG, yb, N, nc, bb, pf, pf_end, lpi);
+          block<1, W>(xb, K, K, panel, KG, yb, o.ld, nc, o.bias, pf, pf_end, lpi);
       }
     }
   });
@@ -331,25 +332,22 @@ inline void block_dispatch(int mr, const float* x, int64_t ldx, const W* panel, 
 }
 
 template <typename W>
-void run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bias,
-         at::Tensor& y) {
+void run(const at::Tensor& x, const at::Tensor& panels, const Outputs& out) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   const float* xp = x.data_ptr<float>();
   const W* pp = panels.data_ptr<W>();
-  float* yp = y.data_ptr<float>();
   // Row blocks of (nearly) equal size, at most kMaxMR rows each.
   const int64_t nblocks = (M + kMaxMR - 1) / kMaxMR;
   const int64_t base = M / nblocks, extra = M % nblocks;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kNR, ncols = std::min(kNR, N - n0);
+      const Outputs::At o = out.at(p, kNR);
       int64_t m0 = 0;
       for (int64_t b = 0; b < nblocks; ++b) {
         const int mr = static_cast<int>(base + (b < extra ? 1 : 0));
         // the first block streams the panel from memory; the others find it in cache
         (b == 0 ? block_dispatch<W, true> : block_dispatch<W, false>)(
-            mr, xp + m0 * K, K, pp + p * K * kNR, K, yp + m0 * N + n0, N, ncols,
-            bias ? bias + n0 : nullptr);
+            mr, xp + m0 * K, K, pp + p * K * kNR, K, o.y + m0 * o.ld, o.ld, o.nc, o.bias);
         m0 += mr;
       }
     }
@@ -425,8 +423,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
     bc = bias->to(at::kFloat).contiguous();
     bp = bc.data_ptr<float>();
   }
+  const Outputs out = Outputs::one(y.data_ptr<float>(), N, bp);
   switch (panels.scalar_type()) {
-    case at::kFloat: run<float>(x.to(at::kFloat).contiguous(), panels, N, bp, y); break;
+    case at::kFloat: run<float>(x.to(at::kFloat).contiguous(), panels, out); break;
     case at::kBFloat16:
 #ifdef LAMINA_AMX
       if (panels.size(3) == kPairLanes) {  // packed for AMX (panels_match checked the layout)
@@ -434,7 +433,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
         break;
       }
 #endif
-      run<c10::BFloat16>(x.to(at::kFloat).contiguous(), panels, N, bp, y);
+      run<c10::BFloat16>(x.to(at::kFloat).contiguous(), panels, out);
       break;
     default: TORCH_CHECK(false, "skinny_linear: packed weight must be float32 or bfloat16");
   }
@@ -459,4 +458,42 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
     return skinny_linear(x.reshape({rows, K}), panels, N, bias).view(sizes);
   }
   return at::linear(x, weight, bias);
+}
+
+std::vector<at::Tensor> skinny_linear_group(const at::Tensor& x, const at::Tensor& panels,
+                                            const std::vector<int64_t>& ns) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "skinny_linear_group: x must be a float32 CPU matrix [M, K]");
+  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == at::kFloat,
+              "skinny_linear_group: panels must be float32 weights packed back to back");
+  TORCH_CHECK(panels_match(panels, x.size(1)), "skinny_linear_group: x has ", x.size(1),
+              " columns, which the packed weights ", panels.sizes(), " do not have");
+  Outputs out;
+  std::vector<at::Tensor> ys;
+  const int64_t covered = out.add_group(ns, x.size(0), kNR, ys, x.options());
+  TORCH_CHECK(covered == panels.size(0), "skinny_linear_group: the Ns (", covered,
+              " panels) do not match the packed weights (", panels.size(0), " panels)");
+  if (x.size(0) > 0) run<float>(x.contiguous(), panels, out);
+  return ys;
+}
+
+std::vector<at::Tensor> packed_linear_group(const at::Tensor& x,
+                                            const std::vector<at::Tensor>& weights,
+                                            const at::Tensor& panels, int64_t max_rows) {
+  const int64_t K = x.size(-1);
+  const int64_t rows = K ? x.numel() / K : 0;
+  std::vector<at::Tensor> ys;
+  if (rows > 0 && rows <= max_rows && x.scalar_type() == at::kFloat && x.device().is_cpu()) {
+    std::vector<int64_t> ns;
+    for (const at::Tensor& w : weights) ns.push_back(w.size(0));
+    ys = skinny_linear_group(x.reshape({rows, K}), panels, ns);
+    std::vector<int64_t> sizes = x.sizes().vec();
+    for (at::Tensor& y : ys) {
+      sizes.back() = y.size(1);
+      y = y.view(sizes);
+    }
+    return ys;
+  }
+  for (const at::Tensor& w : weights) ys.push_back(at::linear(x, w));
+  return ys;
 }

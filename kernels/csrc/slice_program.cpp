@@ -12,7 +12,9 @@
 // * SIZE: t.size(dim) (``aten.sym_size.int``);  GETITEM: element i of a tuple result;
 // * this extension's kernels called directly: PACKED_LINEAR, QUANT_LINEAR, QUANT_LINEAR_Q8,
 //   RMS_NORM, SILU_MUL, ROPE, and GGUF_LINEAR / GGUF_Q8_LINEAR (the choice
-//   lamina/computenode/gguf_linear.py's wrappers make, made here the same way).
+//   lamina/computenode/gguf_linear.py's wrappers make, made here the same way); the groups of
+//   linear layers that read one x (lamina/computenode/linear_groups.py), PACKED_LINEAR_GROUP
+//   and GGUF_Q8_LINEAR_GROUP, whose list of outputs GETITEM takes apart.
 //
 // Values live in registers (c10::IValue): the slice's inputs first, then its constants, then
 // one per instruction. An argument is a register or a constant decoded once from the tagged
@@ -42,7 +44,7 @@ namespace {
 
 enum Op : int {
   ATEN = 0, SIZE, GETITEM, PACKED_LINEAR, QUANT_LINEAR, QUANT_LINEAR_Q8, RMS_NORM, SILU_MUL,
-  ROPE, GGUF_LINEAR, GGUF_Q8_LINEAR, NUM_OPS
+  ROPE, GGUF_LINEAR, GGUF_Q8_LINEAR, PACKED_LINEAR_GROUP, GGUF_Q8_LINEAR_GROUP, NUM_OPS
 };
 
 // An argument: a register, a constant, or a list built from registers and constants.
@@ -185,6 +187,14 @@ class SliceProgram {
     return v.isNone() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(v.toTensor());
   }
 
+  static std::vector<at::Tensor> tensors(const Arg& a, const std::vector<c10::IValue>& regs) {
+    TORCH_CHECK(a.kind == Arg::TENSOR_LIST, "SliceProgram: a list of tensors expected");
+    std::vector<at::Tensor> out;
+    out.reserve(a.items.size());
+    for (const Arg& x : a.items) out.push_back(tensor(x, regs));
+    return out;
+  }
+
   static int64_t integer(const Arg& a, const std::vector<c10::IValue>& regs) {
     return (a.kind == Arg::REG ? regs[a.reg] : a.value).toInt();
   }
@@ -234,6 +244,20 @@ class SliceProgram {
         if (x.scalar_type() == at::kFloat && x.numel() <= integer(g[8], r) * x.size(-1))
           return quant_linear(x, tensor(g[6], r), integer(g[7], r), opt_tensor(g[2], r));
         return panels_linear(g, r);
+      }
+      case PACKED_LINEAR_GROUP:  // x, weights, panels, max_rows
+        return c10::List<at::Tensor>(packed_linear_group(tensor(g[0], r), tensors(g[1], r),
+                                                         tensor(g[2], r), integer(g[3], r)));
+      case GGUF_Q8_LINEAR_GROUP: {  // packed_linear_group's four, packed, kind
+        const at::Tensor& x = tensor(g[0], r);
+        const std::vector<at::Tensor> ws = tensors(g[1], r);
+        if (x.scalar_type() != at::kFloat)
+          return c10::List<at::Tensor>(packed_linear_group(x, ws, tensor(g[2], r),
+                                                           integer(g[3], r)));
+        std::vector<int64_t> ns;
+        for (const at::Tensor& w : ws) ns.push_back(w.size(0));
+        return c10::List<at::Tensor>(
+            quant_linear_q8_group(x, tensor(g[4], r), ns, integer(g[5], r)));
       }
       case GGUF_Q8_LINEAR: {  // panels_linear's six, packed, kind
         const at::Tensor& x = tensor(g[0], r);
