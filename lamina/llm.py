@@ -100,8 +100,8 @@ class LLM:
         """Generate for every prompt (text or token ids), batched together; outputs keep the
         prompts' order."""
         outputs: dict[int, RequestOutput] = {}
-        for delta in self._run(prompts, sampling_params, use_tqdm):
-            pass
+        for delta in self._run(prompts, sampling_params, use_tqdm, decode=False):
+            pass  # the text is decoded once, at the end (_output)
         for index, (req, prompt, error) in enumerate(self._last):
             outputs[index] = self._output(req, prompt, error)
         return [outputs[i] for i in range(len(outputs))]
@@ -134,7 +134,11 @@ class LLM:
             return list(prompt)
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _run(self, prompts, sampling_params, use_tqdm: bool) -> Iterator[StreamDelta]:
+    def _run(self, prompts, sampling_params, use_tqdm: bool,
+             decode: bool = True) -> Iterator[StreamDelta]:
+        """Serve ``prompts`` step by step, yielding each request's deltas. ``decode``: the
+        deltas carry their text (else ``""``: the output is not decoded every step, which costs
+        a decode of the whole output per step)."""
         d = self.deployment
         if d is None:
             raise RuntimeError("this LLM is closed (close() was called or a role failed)")
@@ -162,6 +166,7 @@ class LLM:
             if err is not None:
                 yield StreamDelta(-1, i, [], "", True, "error", err)
         cursors = {rid: StreamCursor() for rid in index_of}
+        tokenizer = self.tokenizer if decode else None
         live = set(index_of)
         bar = tqdm(total=len(live), desc="generate", disable=not use_tqdm or not live, unit="req")
         failed = False
@@ -176,7 +181,7 @@ class LLM:
                 touched = set(step.new_tokens) | {r.req_id for r in step.finished}
                 for rid in sorted(touched & live):
                     req = d.request(rid)
-                    new_ids, delta = cursors[rid].advance(req, self.tokenizer)
+                    new_ids, delta = cursors[rid].advance(req, tokenizer)
                     if req.finished:
                         live.discard(rid)
                         bar.update(1)

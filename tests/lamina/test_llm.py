@@ -198,3 +198,28 @@ def _fail_once(monkeypatch, error: Exception) -> list[str]:
     for name in ("run_slice", "run_step"):  # a slice at a time, or the whole step in C++
         monkeypatch.setattr(ComputeReplica, name, once(getattr(ComputeReplica, name)))
     return calls
+
+
+def test_generate_decodes_each_output_once_and_a_stream_as_it_goes(folder):
+    """``generate`` decodes an output's text once, at the end (not the whole output at every
+    step: a cost that grows with its length); ``generate_stream`` decodes as it goes, and its
+    deltas add up to the same text."""
+    calls = []
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return " ".join(map(str, ids))
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(folder) as llm:
+        llm.tokenizer = Tokenizer()
+        out = llm.generate([[5, 6, 7], [9, 4]], params, use_tqdm=False)
+        assert len(calls) == 2
+        want = [" ".join(map(str, o.outputs[0].token_ids)) for o in out]
+        assert [o.outputs[0].text for o in out] == want
+        calls.clear()
+        text = ["", ""]
+        for d in llm.generate_stream([[5, 6, 7], [9, 4]], params):
+            text[d.index] += d.text
+        assert text == want and len(calls) >= 2 * 8
