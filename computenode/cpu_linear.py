@@ -194,7 +194,7 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None,
         members = in_group.get(i, [i])
         start = arenas[weight.dtype][1]
         for j in members:
-            panels = _pack(nodes[j], weights[j], arenas, layouts)
+            panels = _pack(weights[j], arenas, layouts)
         name = f"_lamina_panels_{i}"
         if len(members) > 1:  # the group's panels back to back: one tensor
             arena, end = arenas[weight.dtype]
@@ -218,7 +218,7 @@ def use_skinny_linear(gm: fx.GraphModule, pack: bool | None = None,
     return len(nodes)
 
 
-def _pack(node: fx.Node, weight: torch.Tensor, arenas: dict, layouts: dict) -> torch.Tensor:
+def _pack(weight: torch.Tensor, arenas: dict, layouts: dict) -> torch.Tensor:
     """``weight`` packed into the next free part of its dtype's arena (advanced): its panels."""
     _, steps, rows, lanes = layouts[weight.dtype, weight.shape[1]]
     shape = (-(-weight.shape[0] // rows), steps, rows, lanes)

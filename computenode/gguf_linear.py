@@ -194,7 +194,8 @@ def use_gguf_linear(gm: fx.GraphModule, blocks: dict[str, tuple[int, torch.Tenso
     n = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is ext.packed_linear_group:
-            n += q8 and _group_on_blocks(gm, node, blocks, ext, n)
+            if q8 and _group_on_blocks(gm, node, blocks, ext, n):
+                n += 1
             continue
         if node.op != "call_function" or node.target is not ext.packed_linear:
             continue

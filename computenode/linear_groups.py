@@ -11,10 +11,8 @@ same rows, same arithmetic), then one ``getitem`` per former node.
 
 A group's members: ``aten.linear`` nodes with the same input node, no bias, and float32 weights
 that are constants of the graph, of the same input size, with output sizes that are whole
-panels of the packed layout (so no panel straddles two weights). Measured with
-``bench/linear.py``'s shapes, 30 layers, one row (scratch, Zen 3, 2 threads): q/k/v and
-gate/up as two calls a layer instead of five took 0.88x the time on float32 panels and 0.79x
-with ``gguf-q8``.
+panels of the packed layout (so no panel straddles two weights). ``bench/linear_groups.py``
+times both forms (README, "One call per group of linear layers").
 """
 from __future__ import annotations
 

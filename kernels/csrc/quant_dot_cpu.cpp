@@ -377,7 +377,8 @@ std::vector<at::Tensor> quant_linear_q8_group(const at::Tensor& x, const at::Ten
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
               packed.is_contiguous(),
               "quant_linear_q8_group: packed must be pack_q8_weight's tensor");
-  const int64_t pb = block_bytes(kind) ? packed_bytes(kind) : 0, K = x.size(-1);
+  block_bytes(kind);  // a supported kind, or the error
+  const int64_t pb = packed_bytes(kind), K = x.size(-1);
   TORCH_CHECK(packed.size(1) * kQK == K * pb, "quant_linear_q8_group: x has ", K,
               " inputs; packed is ", packed.sizes());
   const Activations a(rows_of(x, "quant_linear_q8_group"));
