@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lamina.device import huge_page_zeros  # noqa: E402
+from lamina.costmodel.calibration import cpu_name  # noqa: E402
 from lamina.kernels import cpp_ext  # noqa: E402
 from lamina.kernels.kv_format import kv_format  # noqa: E402
 from lamina.types import KV_DTYPES, AttentionSpec  # noqa: E402
@@ -167,14 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     if cpp_ext.load() is None:
         sys.exit(f"the C++ kernel is unavailable: {cpp_ext.build_error()}")
     rows = run(a.batches, a.contexts, a.threads, a.reps, a.budget_mib << 20)
-    meta = dict(cpu=platform.processor() or platform.machine(), threads=a.threads, reps=a.reps,
+    meta = dict(cpu=cpu_name(), threads=a.threads, reps=a.reps,
                 simd=cpp_ext.load().simd_features(), torch=torch.__version__,
                 command="python bench/kv_formats.py " + " ".join(argv or sys.argv[1:]))
-    try:
-        meta["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                           if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "kv_formats_cpu.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (a.out / "kv_formats_cpu.md").write_text(markdown(rows, meta))

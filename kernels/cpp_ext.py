@@ -45,7 +45,7 @@ SOURCES = tuple(_CSRC / name for name in ("paged_attention_cpu.cpp", "skinny_lin
                                           "quant_linear_cpu.cpp", "quant_dot_cpu.cpp",
                                           "fused_cpu.cpp", "slice_program.cpp",
                                           "bindings.cpp"))
-HEADERS = (_CSRC / "simd.h", _CSRC / "ggml_blocks.h", _CSRC / "cpu_kernels.h", EXCHANGE_HEADER)
+HEADERS = (*sorted(_CSRC.glob("*.h")), EXCHANGE_HEADER)  # every header: each is in the build key
 POOLS = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
          (torch.int8, torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn),
          (torch.bfloat16, torch.int8))  # (K, V) pool dtypes: every KV format's

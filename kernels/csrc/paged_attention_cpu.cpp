@@ -18,6 +18,11 @@
 // torch.set_num_threads governs the thread count. When there are fewer items than threads can
 // share well, long items are split along the keys and merged by log-sum-exp afterwards.
 //
+// An item with at least kTileMin query vectors per KV head (prefill chunks, a cascade's shared
+// prefix) runs the tile kernels of attention_tile.h: per block, scores and the weighted sum of V
+// as two register-blocked matrix products, the online softmax down whole vectors of queries.
+// Fewer (a decode step's GQA group) run the per-query kernels below.
+//
 // SIMD: lamina_simd::Vec (simd.h), the widest vector the compiler targets (-march=native):
 // AVX-512 (16 lanes) or AVX2 + FMA (8 lanes), for head_dim a multiple of the lane count; the
 // same blocking sized to each one's registers. Otherwise plain loops that the compiler
@@ -35,15 +40,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_tile.h"
 #include "simd.h"
 
 namespace {
 
 constexpr int kBlock = 32;         // keys per online-softmax block
-constexpr int kMaxTile = 32;     // query vectors per tile (a tile holds at least one GQA group)
+constexpr int kMaxTile = 96;     // query vectors per tile (a tile holds at least one GQA group)
 constexpr int kGroup = 4;        // query vectors per register group in the inner kernels
 constexpr int64_t kSplitMin = 256;  // fewest keys in one KV split
 constexpr int64_t kRowBytes = 2048;  // most bytes of a token row (per pool) one item reads
+#ifndef LAMINA_TILE_MIN  // (-DLAMINA_TILE_MIN=n: a build for comparing the two paths)
+#define LAMINA_TILE_MIN 12
+#endif
+constexpr int64_t kTileMin = LAMINA_TILE_MIN;  // fewest query vectors per KV head for the tiles
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ------------------------------------------------------------------------------------------
@@ -80,6 +90,7 @@ inline int pad_block(float* s, int n) {
   return np;
 }
 static_assert(kBlock % Vec::W == 0, "a block is whole vectors");
+static_assert(kBlock <= lamina_tile::kRowsMax, "a block fits the tile kernels' rows");
 #endif
 
 inline float block_max(float* s, int n) {
@@ -458,6 +469,9 @@ inline void visible_range(const Args& a, int64_t r, int64_t p, int64_t* lo, int6
 struct Scratch {
   std::vector<float> q, o, s, p, m, l;
   std::vector<int64_t> lo, hi;
+#if LAMINA_SIMD
+  lamina_tile::Tile tile;  // items of many query vectors per KV head (attention_tile.h)
+#endif
   explicit Scratch(int64_t M, int64_t D)
       : q(M * D), o(M * D), s(M * kBlock), p(M * kBlock), m(M), l(M), lo(M), hi(M) {}
 };
@@ -545,6 +559,12 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
   const std::vector<int64_t> kl = row_lines(it.h0, it.nh, a.ks1, D, sizeof(KT));
   const std::vector<int64_t> vl = row_lines(it.h0, it.nh, a.vs1, D, sizeof(VT));
   Prefetcher pf(kl.data(), static_cast<int>(kl.size()), vl.data(), static_cast<int>(vl.size()));
+#if LAMINA_SIMD
+  // Many query vectors per KV head: the tile kernels (attention_tile.h), not softcapped.
+  const bool tile = !std::is_same_v<Kernel, Generic> && per_head >= kTileMin &&
+                    a.softcap == 0.f && D % Vec::W == 0;
+  if (tile) sc.tile.begin(sc.q.data(), it.nh, per_head, D);
+#endif
   int buf = 0;
   if (it.j1 > it.j0) {
     const int nb = static_cast<int>(std::min<int64_t>(kBlock, it.j1 - it.j0));
@@ -566,6 +586,19 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
              reinterpret_cast<const void* const*>(vrow[buf ^ 1]), nn, 2 * it.nh);
     const bool masked = j < all_lo || j + nb > all_hi;
     const int mh = static_cast<int>(per_head);
+#if LAMINA_SIMD
+    if (tile) {
+      for (int64_t h = 0; h < it.nh; ++h) {
+        const int64_t m0 = h * per_head, head = it.h0 + h;
+        const PrefetchSpan first = pf.take(), second = pf.take();  // adjacent: one span
+        sc.tile.block(h, krow[buf], head * a.ks1, vrow[buf], head * a.vs1, nb,
+                      kScaled<KT> ? kscl[buf] : nullptr, kScaled<VT> ? vscl[buf] : nullptr,
+                      head, j, masked, sc.lo.data() + m0, sc.hi.data() + m0,
+                      sc.o.data() + m0 * D, first.p, first.n + second.n);
+      }
+      continue;
+    }
+#endif
     for (int64_t h = 0; h < it.nh; ++h) {
       const int64_t m0 = h * per_head;
       scores_all<Kernel>(sc.q.data() + m0 * D, mh, D, krow[buf], (it.h0 + h) * a.ks1, nb,
@@ -583,6 +616,11 @@ bool attend_item(const Args& a, const Item& it, Scratch& sc, int M) {
                              sc.p.data() + m0 * kBlock, pf.take());
     }
   }
+#if LAMINA_SIMD
+  if (tile)
+    for (int64_t h = 0; h < it.nh; ++h)
+      sc.tile.end(h, sc.m.data() + h * per_head, sc.l.data() + h * per_head);
+#endif
   return true;
 }
 
