@@ -46,17 +46,6 @@ inline void prefetch_row(const float* row, int64_t D) {
     asm volatile("prefetcht0 %0" : : "m"(p[b]));
 }
 
-// The next block's cache lines (into L2, as paged_attention_cpu.cpp's Prefetcher lists them),
-// issued in equal shares over a block's steps: in one burst they stall on the miss buffers.
-struct Lines {
-  const char* const* p;
-  int n, steps, done = 0, issued = 0;
-  void share() {
-    const int end = static_cast<int>(int64_t(n) * std::min(++done, steps) / steps);
-    for (; issued < end; ++issued) asm volatile("prefetcht1 %0" : : "m"(*p[issued]));
-  }
-};
-
 // st[jj * ld + v * W + i] = k[jj] . qt[:, v * W + i] for jj < KJ, v < QV (k[jj]: D floats).
 template <int KJ, int QV>
 inline void qk_tile(const float* const* k, const float* qt, int64_t D, int64_t ld, float* st) {
@@ -184,25 +173,26 @@ struct Tile {
   // One block of nb keys for head h: k/v rows (+ off), their scales (8-bit pools, else
   // nullptr: ksc[j][head]), the key index j0 of row 0 and, when `masked`, each column's visible
   // range [lo[c], hi[c]); o: the head's mh rows of [D] (unnormalised, rescaled here);
-  // next[0:nnext]: cache lines of the next block to prefetch meanwhile.
-  template <typename KT, typename VT>
+  // step(): called steps(nb) times, spread over the block's work (the caller prefetches a share
+  // of the next block's lines each time: in one burst they stall on the miss buffers).
+  int steps(int nb) const { return (nb + kKJ - 1) / kKJ + static_cast<int>((mh + kKJ - 1) / kKJ); }
+
+  template <typename KT, typename VT, typename Step>
   void block(int64_t h, const KT* const* k, int64_t koff, const VT* const* v, int64_t voff,
              int nb, const float* const* ksc, const float* const* vsc, int64_t head, int64_t j0,
-             bool masked, const int64_t* lo, const int64_t* hi, float* o,
-             const char* const* next, int nnext) {
+             bool masked, const int64_t* lo, const int64_t* hi, float* o, Step&& step) {
     const int nbp = (nb + kKJ - 1) / kKJ * kKJ;
-    Lines pf{next, nnext, nbp / kKJ + static_cast<int>((mh + kKJ - 1) / kKJ)};
     float_rows(k, koff, nb, nbp, D, kpack.data(), zero.data(), krows.data());
     const float* q = qt.data() + h * D * ld;
     float* s = st.data();
     int j = 0;
     for (; j + kKJ <= nb; j += kKJ) {  // the next keys' rows come into L1 meanwhile
       for (int r = j + kKJ; r < std::min(j + 2 * kKJ, nb); ++r) prefetch_row(krows[r], D);
-      pf.share();
+      step();
       qk_rows<kKJ>(krows.data() + j, q, D, ld, s + j * ld);
     }
     if (j < nb) {
-      pf.share();
+      step();
       qk_tail(nb - j, krows.data() + j, q, D, ld, s + j * ld);
     }
     if (ksc)
@@ -222,11 +212,11 @@ struct Tile {
       for (int r = 0; r < nb; ++r) scale_row(s + r * ld, vsc[r][head]);
     int64_t c = 0;
     for (; c + kKJ <= mh; c += kKJ) {
-      pf.share();
+      step();
       pv_rows<kKJ>(s + c, ld, vrows.data(), nb, o + c * D, D);
     }
     if (c < mh) {
-      pf.share();
+      step();
       pv_tail(static_cast<int>(mh - c), s + c, ld, vrows.data(), nb, o + c * D, D);
     }
   }
