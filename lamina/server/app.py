@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lamina.errors import ContextLengthExceeded, NoCapacity
 from lamina.server.async_engine import AsyncEngine, Overloaded
-from lamina.server.metrics import render_metrics
+from lamina.server.metrics import MetricsExporter
 from lamina.types import SamplingParams
 
 
@@ -133,9 +133,11 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
             return JSONResponse({"status": "no_capacity"}, status_code=503)
         return {"status": "ok"}
 
+    exporter = MetricsExporter()
+
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(engine.metrics),
+        return PlainTextResponse(exporter.render(engine.metrics),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

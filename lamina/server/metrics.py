@@ -6,7 +6,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class _Exporter:
+class MetricsExporter:
+    """One app's Prometheus registry. It folds one :class:`EngineMetrics` into it (counters
+    advance by what the engine counted since the last render); each app owns its exporter, so
+    two engines in one process never share what was seen."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -34,33 +38,29 @@ class _Exporter:
         self._restarts_seen: dict[str, int] = {}
         self._finished_seen: dict[str, int] = {}
 
-
-_EXPORTERS: dict[int, _Exporter] = {}
-
-
-def render_metrics(m) -> bytes:
-    """Fold the engine's counters and latency samples into Prometheus metrics and render them."""
-    ex = _EXPORTERS.setdefault(id(m), _Exporter())
-    ex.running.set(m.running)
-    ex.waiting.set(m.waiting)
-    for i, (used, cap) in enumerate(zip(m.kv_used_slots, m.kv_capacity_slots)):
-        ex.kv_used.labels(node=str(i)).set(used)
-        ex.kv_cap.labels(node=str(i)).set(cap)
-    ex.gen.inc(m.generated_tokens - ex._seen["gen"])
-    ex.prompt.inc(m.prompt_tokens - ex._seen["prompt"])
-    for kind, n in m.restarts.items():
-        ex.restarts.labels(kind=kind).inc(n - ex._restarts_seen.get(kind, 0))
-        ex._restarts_seen[kind] = n
-    # an instance restarted whole starts its cache's counts again: count on from there
-    ex.prefix_queries.inc(max(0, m.prefix_queried_tokens - ex._seen["pq"]))
-    ex.prefix_hits.inc(max(0, m.prefix_hit_tokens - ex._seen["ph"]))
-    ex.prefix_slots.set(m.prefix_cached_slots)
-    ex._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens,
-                    pq=m.prefix_queried_tokens, ph=m.prefix_hit_tokens)
-    for reason, n in list(m.finished.items()):
-        ex.finished.labels(reason=reason).inc(n - ex._finished_seen.get(reason, 0))
-        ex._finished_seen[reason] = n
-    for samples, hist in ((m.ttft_s, ex.ttft), (m.tbt_s, ex.tbt)):
-        while samples:
-            hist.observe(samples.pop())
-    return generate_latest(ex.registry)
+    def render(self, m) -> bytes:
+        """Fold the engine's counters and latency samples (an ``EngineMetrics``) into the
+        metrics and render them."""
+        self.running.set(m.running)
+        self.waiting.set(m.waiting)
+        for i, (used, cap) in enumerate(zip(m.kv_used_slots, m.kv_capacity_slots)):
+            self.kv_used.labels(node=str(i)).set(used)
+            self.kv_cap.labels(node=str(i)).set(cap)
+        self.gen.inc(m.generated_tokens - self._seen["gen"])
+        self.prompt.inc(m.prompt_tokens - self._seen["prompt"])
+        for kind, n in m.restarts.items():
+            self.restarts.labels(kind=kind).inc(n - self._restarts_seen.get(kind, 0))
+            self._restarts_seen[kind] = n
+        # an instance restarted whole starts its cache's counts again: count on from there
+        self.prefix_queries.inc(max(0, m.prefix_queried_tokens - self._seen["pq"]))
+        self.prefix_hits.inc(max(0, m.prefix_hit_tokens - self._seen["ph"]))
+        self.prefix_slots.set(m.prefix_cached_slots)
+        self._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens,
+                          pq=m.prefix_queried_tokens, ph=m.prefix_hit_tokens)
+        for reason, n in list(m.finished.items()):
+            self.finished.labels(reason=reason).inc(n - self._finished_seen.get(reason, 0))
+            self._finished_seen[reason] = n
+        for samples, hist in ((m.ttft_s, self.ttft), (m.tbt_s, self.tbt)):
+            while samples:
+                hist.observe(samples.pop())
+        return generate_latest(self.registry)

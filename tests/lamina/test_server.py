@@ -256,3 +256,16 @@ def test_a_second_turn_reports_its_cached_prompt_tokens_and_metrics_count_them(c
             break
         time.sleep(0.1)
     assert hits and hits[0] >= len(first) and "lamina_prefix_cache_slots" in text
+
+
+def test_each_metrics_exporter_counts_its_own_engine():
+    """Exporters are per app: one that saw restarts never offsets another engine's counts (a
+    process-wide table keyed by id() did, once a collected engine's id was reused)."""
+    from lamina.server.async_engine import EngineMetrics
+    from lamina.server.metrics import MetricsExporter
+
+    first = MetricsExporter()
+    first.render(EngineMetrics(restarts={"instance": 2}, generated_tokens=5))
+    text = MetricsExporter().render(EngineMetrics(restarts={"instance": 0}, generated_tokens=1))
+    assert b'lamina_restarts_total{kind="instance"} 0.0' in text
+    assert b"lamina_generated_tokens_total 1.0" in text
