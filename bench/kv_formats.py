@@ -12,6 +12,10 @@ Reported per cell and format (median over rounds, spread = (max - min) / median 
 per-round ratio): ms per call (one layer), KV tokens attended per second, bytes read (K, V and
 their scales) per second, that as a share of the copy bandwidth, and tokens per second over
 bfloat16's in the same round (the issue's 8-bit target: >= 1.7x at contexts >= 4k on one core).
+Also each format's ceiling without memory, in the same rounds: the cell's batch over
+``--cache-tokens`` tokens in all (default 8,192: 3 MB of int8 KV, 12 MB of float32), one layer
+called again and again, so its pool stays in the caches (tokens per second, and the
+from-memory rate over it: ~1 means the kernel's arithmetic, not the read, bounds the format).
 
     python bench/kv_formats.py                      # 1 thread, batch 1/8/32 x context 4k/8k
     python bench/kv_formats.py --threads 2 --batches 8 --contexts 4096
@@ -98,7 +102,22 @@ def pass_time(a: dict, p: dict, spec: AttentionSpec) -> float:
     return (time.perf_counter() - t0) / p["layers"]
 
 
-def run(batches: list[int], contexts: list[int], threads: int, reps: int, budget: int) -> list:
+def cache_time(a: dict, p: dict, spec: AttentionSpec, calls: int) -> float:
+    """Seconds per call over ``calls`` calls on layer 0 after one untimed (its pool stays in
+    the caches)."""
+    t0 = 0.0
+    for i in range(calls + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        cpp_ext.paged_attention_cpp(
+            a["q"], p["k"][0], p["v"][0], a["qo"], a["kvp"], a["idx"], a["pos"], a["start"], spec,
+            k_scale=None if p["k_scale"] is None else p["k_scale"][0],
+            v_scale=None if p["v_scale"] is None else p["v_scale"][0])
+    return (time.perf_counter() - t0) / calls
+
+
+def run(batches: list[int], contexts: list[int], threads: int, reps: int, budget: int,
+        cache_tokens: int = 8192) -> list:
     torch.set_num_threads(threads)
     spec = AttentionSpec(layer=0, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
                          scale=DIM ** -0.5)
@@ -107,13 +126,18 @@ def run(batches: list[int], contexts: list[int], threads: int, reps: int, budget
     rows = []
     for i, (b, c) in enumerate((b, c) for c in contexts for b in batches):
         a, pools = cell(b, c, budget, seed=i)
+        cache_ctx = max(SLAB, cache_tokens // b // SLAB * SLAB)
+        ca, cpools = cell(b, cache_ctx, 0, seed=i)  # 2 layers; layer 0 is called again and again
         times = {n: [] for n in FORMATS}
+        cached = {n: [] for n in FORMATS}
         copy = []
         for rnd in range(reps + 1):  # round 0 warms up
             for n in FORMATS:
                 t = pass_time(a, pools[n], spec)
+                tc = cache_time(ca, cpools[n], spec, max(8, pools[n]["layers"]))
                 if rnd:
                     times[n].append(t)
+                    cached[n].append(tc)
             t0 = time.perf_counter()
             dst.copy_(src)
             if rnd:
@@ -122,18 +146,24 @@ def run(batches: list[int], contexts: list[int], threads: int, reps: int, budget
         for n in FORMATS:
             t = statistics.median(times[n])
             ratio = [tb / tn for tb, tn in zip(times[BASE], times[n])]
+            # per round: tokens/s from memory over tokens/s in cache
+            of_cache = [b * c / tm / (b * cache_ctx / tc) for tm, tc in zip(times[n], cached[n])]
             gbps = pools[n]["layer_bytes"] / t
             rows.append(dict(batch=b, ctx=c, threads=threads, format=n, layers=pools[n]["layers"],
                              ms=t * 1e3, tokens_per_s=b * c / t, gbps=gbps / 1e9,
                              copy_gbps=copy_bw / 1e9, frac_copy=gbps / copy_bw,
                              vs_bf16=statistics.median(ratio),
-                             vs_bf16_spread=(max(ratio) - min(ratio)) / statistics.median(ratio)))
+                             vs_bf16_spread=(max(ratio) - min(ratio)) / statistics.median(ratio),
+                             cache_ctx=cache_ctx,
+                             cache_tokens_per_s=b * cache_ctx / statistics.median(cached[n]),
+                             of_cache=statistics.median(of_cache)))
             r = rows[-1]
             print(f"batch {b} ctx {c} {n:9s}: {r['ms']:7.3f} ms, {r['tokens_per_s'] / 1e6:6.2f} "
                   f"M tok/s, {r['gbps']:5.1f} GB/s = {100 * r['frac_copy']:3.0f}% of copy, "
-                  f"{r['vs_bf16']:.2f}x bfloat16 (spread {100 * r['vs_bf16_spread']:.0f}%)",
-                  flush=True)
-        del pools
+                  f"{r['vs_bf16']:.2f}x bfloat16 (spread {100 * r['vs_bf16_spread']:.0f}%); "
+                  f"in cache {r['cache_tokens_per_s'] / 1e6:6.2f} M tok/s, from memory "
+                  f"{r['of_cache']:.2f}x that", flush=True)
+        del pools, cpools
     return rows
 
 
@@ -143,14 +173,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
            f"kernel {meta['simd']}, torch {meta['torch']}; median of {meta['reps']} interleaved "
            "rounds; `% copy`: bytes read (K, V, scales) per second over the same rounds' "
            "`copy_` bandwidth (read + write); `x bf16`: tokens/s over bfloat16's, per round "
-           "(spread in brackets).", "",
+           "(spread in brackets); `in cache`: the same batch over "
+           f"{meta['cache_tokens']} tokens in all, one layer called again and again; "
+           "`of cache`: tokens/s from memory over that, per round.", "",
            "    " + meta["command"], "",
-           "| batch | context | format | ms / call | M tokens/s | GB/s | % copy | x bf16 |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|"]
+           "| batch | context | format | ms / call | M tokens/s | GB/s | % copy | x bf16 | "
+           "in cache, M tokens/s | of cache |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['batch']} | {r['ctx']} | {r['format']} | {r['ms']:.3f} | "
                    f"{r['tokens_per_s'] / 1e6:.2f} | {r['gbps']:.1f} | {100 * r['frac_copy']:.0f} | "
-                   f"{r['vs_bf16']:.2f} ({100 * r['vs_bf16_spread']:.0f}%) |")
+                   f"{r['vs_bf16']:.2f} ({100 * r['vs_bf16_spread']:.0f}%) | "
+                   f"{r['cache_tokens_per_s'] / 1e6:.2f} | {r['of_cache']:.2f} |")
     return "\n".join(out) + "\n"
 
 
@@ -162,12 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--budget-mib", type=int, default=384,
                     help="KV bytes each format's layers add up to (cache-cold reads)")
+    ap.add_argument("--cache-tokens", type=int, default=8192,
+                    help="KV tokens (all requests) of the in-cache ceiling's single layer")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = ap.parse_args(argv)
     if cpp_ext.load() is None:
         sys.exit(f"the C++ kernel is unavailable: {cpp_ext.build_error()}")
-    rows = run(a.batches, a.contexts, a.threads, a.reps, a.budget_mib << 20)
-    meta = dict(cpu=cpu_name(), threads=a.threads, reps=a.reps,
+    rows = run(a.batches, a.contexts, a.threads, a.reps, a.budget_mib << 20, a.cache_tokens)
+    meta = dict(cpu=cpu_name(), threads=a.threads, reps=a.reps, cache_tokens=a.cache_tokens,
                 simd=cpp_ext.load().simd_features(), torch=torch.__version__,
                 command="python bench/kv_formats.py " + " ".join(argv or sys.argv[1:]))
     a.out.mkdir(parents=True, exist_ok=True)
