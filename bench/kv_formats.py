@@ -146,8 +146,8 @@ def run(batches: list[int], contexts: list[int], threads: int, reps: int, budget
         for n in FORMATS:
             t = statistics.median(times[n])
             ratio = [tb / tn for tb, tn in zip(times[BASE], times[n])]
-            # per round: tokens/s from memory over tokens/s in cache
-            of_cache = [b * c / tm / (b * cache_ctx / tc) for tm, tc in zip(times[n], cached[n])]
+            # per round: tokens/s from memory over tokens/s in cache (same batch)
+            of_cache = [c * tc / (cache_ctx * tm) for tm, tc in zip(times[n], cached[n])]
             gbps = pools[n]["layer_bytes"] / t
             rows.append(dict(batch=b, ctx=c, threads=threads, format=n, layers=pools[n]["layers"],
                              ms=t * 1e3, tokens_per_s=b * c / t, gbps=gbps / 1e9,
