@@ -708,7 +708,11 @@ void run(const Args& a, int64_t R, QT* out, float* lse) {
   std::vector<Item> items = plan(a, R, threads, &nparts);
   const int64_t n_items = static_cast<int64_t>(items.size());
   if (n_items == 0) return;
-  const int64_t MT = a.rows_per_tile * a.G * a.heads_per_item;  // most query vectors per item
+  // Most query vectors of an item: the scratch's size. A decode item holds a GQA group per
+  // head, far fewer than a full tile, and zeroing a tile-sized scratch cost more than the
+  // attention of a short call.
+  int64_t MT = 0;
+  for (const Item& it : items) MT = std::max(MT, (it.t1 - it.t0) * a.G * it.nh);
   std::vector<float> part_o(nparts * MT * a.D), part_m(nparts * MT), part_l(nparts * MT);
   std::vector<int64_t> part_item(nparts);
   std::atomic<int64_t> next{0};
