@@ -10,6 +10,9 @@ venv under ``.peers/``, made by ``bash scripts/peers-setup.sh``):
 * ``lamina-procs``: ``LLM("smollm2", placement="procs", memory=1, device="cpu:0",
   memory_device="cpu:1")``: the compute replica on core 0, one memory node (KV + attention) in
   its own process on core 1;
+* ``lamina-procs-rot``: lamina-procs with two micro-batches in flight (``pipeline="rotational",
+  micro_batches=2``): the replica runs one micro-batch's slices while the node attends for the
+  other;
 * ``llamacpp-f32``: llama.cpp (``llama-cpp-python``, compiled here, -march=native) on
   ``.peers/weights/smollm2-f32.gguf``: the shipped GGUF's tensors dequantised to float32, the
   same numbers as lamina's float32 model; 2 threads;
@@ -81,12 +84,14 @@ def engines(cores: tuple[int, ...] | None = None) -> dict[str, dict]:
     vllm_py = str(PEERS / "vllm" / "bin" / "python")
     hf = str(WEIGHTS / "smollm2-hf")
     inproc = dict(placement="inproc", device=both)
+    procs = dict(placement="procs", memory=1, device=f"cpu:{cores[0]}", memory_device=f"cpu:{last}")
     return {
         "lamina-inproc": dict(kind="lamina", python=sys.executable, settings=inproc),
         "lamina-gguf": dict(kind="lamina", python=sys.executable, settings={**inproc, "kernels": "gguf"}),
         "lamina-gguf-q8": dict(kind="lamina", python=sys.executable, settings={**inproc, "kernels": "gguf-q8"}),
-        "lamina-procs": dict(kind="lamina", python=sys.executable, settings=dict(
-            placement="procs", memory=1, device=f"cpu:{cores[0]}", memory_device=f"cpu:{last}")),
+        "lamina-procs": dict(kind="lamina", python=sys.executable, settings=procs),
+        "lamina-procs-rot": dict(kind="lamina", python=sys.executable, settings={
+            **procs, "pipeline": "rotational", "micro_batches": 2}),
         "llamacpp-f32": dict(kind="llamacpp", python=llama_py, venv="llamacpp", settings=dict(
             model=str(WEIGHTS / "smollm2-f32.gguf"), threads=n)),
         "llamacpp-q4_1": dict(kind="llamacpp", python=llama_py, venv="llamacpp", settings=dict(

@@ -62,6 +62,11 @@ class StepPlan:
     ``token_ids[T]`` and ``positions[T]`` (int64) are the segments' tokens flattened in segment
     order; ``sample_rows[R]`` (int64) indexes the rows of ``token_ids`` whose logits are sampled
     (the last token of each segment that completes its prompt or decodes).
+
+    ``alone``: the engine had no other micro-batch in flight and none to form when it submitted
+    this one, so its replica may wait in place for each layer's RESULT (a whole step in one C++
+    call). False: another micro-batch is in flight or coming, whose slices run on this
+    replica while this one's attention does (rotational pipelining), so none waits in place.
     """
 
     step_id: int
@@ -70,6 +75,7 @@ class StepPlan:
     token_ids: torch.Tensor
     positions: torch.Tensor
     sample_rows: torch.Tensor
+    alone: bool = True
 
     @property
     def num_tokens(self) -> int:

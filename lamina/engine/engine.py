@@ -254,8 +254,11 @@ class Engine:
         return [s.used_slots for s in self.worker.stats()], list(self.scheduler.capacity)
 
     def _fill(self, out: StepOutput) -> None:
+        """Form a micro-batch for every free slot that gets work, then submit them; each is
+        ``alone`` where it is the only one in flight (:class:`StepPlan`)."""
         n = self.micro_batches
         cfg = self.scheduler.config
+        formed: list[InFlight] = []
         for slot in range(n):
             if slot in self._in_flight:
                 continue
@@ -269,12 +272,14 @@ class Engine:
             self._free([r.req_id for r in preempted])  # first: one may be re-admitted on a hit
             self._apply_cache_ops()
             if not segs:
-                return
-            mb = self._form(segs, slot)
+                break
+            self._in_flight[slot] = mb = self._form(segs, slot)  # busy() sees its requests
+            formed.append(mb)
+        for mb in formed:
+            mb.plan.alone = len(self._in_flight) == 1
             sampled = [s for s in mb.segs if s.sample]
-            self.worker.submit(slot, mb.plan, mb.routes, [s.req.req_id for s in sampled],
-                               [s.req.params for s in sampled])
-            self._in_flight[slot] = mb
+            self.worker.submit(mb.plan.micro_batch, mb.plan, mb.routes,
+                               [s.req.req_id for s in sampled], [s.req.params for s in sampled])
 
     def _complete(self, mb: InFlight, tokens: list[int], out: StepOutput) -> None:
         segs = mb.segs

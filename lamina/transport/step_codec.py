@@ -3,7 +3,7 @@ sample) and TOKENS (the sampled ids), on the same wire protocol as the memory no
 
 STEP tensors: ``token_ids``, ``positions``, ``sample_rows``, then per route ``q_rows`` and
 ``kv_rows`` (all int64), then optionally the sampling ``uniforms`` (float32). Meta: step id,
-micro-batch, segments, routes (node, works), request ids and their SamplingParams as plain
+micro-batch, whether it is alone, segments, routes (node, works), request ids and their SamplingParams as plain
 JSON.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def step_message(plan: StepPlan, routes: list[NodeRoute], req_ids: list[int],
                  params: list[SamplingParams], uniforms: torch.Tensor | None = None) -> Message:
     """``uniforms[R]`` (float32, :meth:`Sampler.draw`), when given, travels as a last tensor:
     the replica that samples then uses them instead of its own generators."""
-    meta = {"micro_batch": plan.micro_batch, "uniforms": uniforms is not None,
+    meta = {"micro_batch": plan.micro_batch, "alone": plan.alone, "uniforms": uniforms is not None,
             "segments": [[s.req_id, s.start_pos, s.num_tokens] for s in plan.segments],
             "routes": [{"node": r.node,
                         "works": [[w.req_id, w.q_start, w.num_q, w.append_start, w.num_append]
@@ -42,7 +42,8 @@ def parse_step(msg: Message) -> tuple[StepPlan, list[NodeRoute], list[int], list
         if len(t) != 3 + 2 * len(routes_meta) + bool(m.get("uniforms")):
             raise WireError(f"STEP has {len(t)} tensors for {len(routes_meta)} routes")
         plan = StepPlan(msg.step_id, int(m["micro_batch"]),
-                        [Segment(*map(int, s)) for s in m["segments"]], t[0], t[1], t[2])
+                        [Segment(*map(int, s)) for s in m["segments"]], t[0], t[1], t[2],
+                        bool(m["alone"]))
         routes = [NodeRoute(int(r["node"]), [ShardWork(*map(int, w)) for w in r["works"]],
                             t[3 + 2 * i], t[4 + 2 * i])
                   for i, r in enumerate(routes_meta)]

@@ -256,3 +256,45 @@ def test_a_whole_step_over_a_ring_is_the_stepwise_path(late):
             assert torch.equal(got, want)
     finally:
         ring.close()
+
+
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_only_a_micro_batch_the_engine_calls_alone_waits_in_place(tmp_path, monkeypatch,
+                                                                  prompts):
+    """With two micro-batch slots, one request fills one slot: the engine submits it ``alone``
+    and its steps run whole in C++. Two requests fill both: neither is alone, so no step runs
+    whole and no RESULT is waited for in place (each micro-batch's slices run while the other's
+    attention does); outputs equal transformers either way."""
+    from hf_oracle import hf_greedy
+    from lamina.instance.inproc import InProcessReplicas
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    batch = [PROMPT, [5, 9, 2]][:prompts]
+    want = hf_greedy(model, batch, 6)
+    whole, in_place, plans = [], [], []
+    real_step, real_exchange = ComputeReplica.run_step, InProcessReplicas.exchange
+    real_submit = InProcessReplicas.submit
+
+    def run_step(self, *args):
+        whole.append(args[0])
+        return real_step(self, *args)
+
+    def exchange(self, *args):
+        in_place.append(args)
+        return real_exchange(self, *args)
+
+    def submit(self, slot, plan, *args):
+        plans.append(plan.alone)
+        return real_submit(self, slot, plan, *args)
+    monkeypatch.setattr(ComputeReplica, "run_step", run_step)
+    monkeypatch.setattr(InProcessReplicas, "exchange", exchange)
+    monkeypatch.setattr(InProcessReplicas, "submit", submit)
+    with LLM(tiny_folder("llama", tmp_path), memory=1, placement="inproc", micro_batches=2,
+             pipeline="rotational") as llm:
+        out = llm.generate(batch, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == want
+    if prompts == 1:
+        assert plans == [True] * 6 and len(whole) == 6
+    else:
+        assert plans == [False] * 12 and whole == [] and in_place == []

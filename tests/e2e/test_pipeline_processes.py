@@ -52,6 +52,28 @@ def test_process_replicas_tight_pool_and_mini_batches_match_hf(tiny):
         assert [c.stats().used_slots for c in inst.nodes] == inst.engine.scheduler.cache.held
 
 
+def test_one_replica_process_interleaves_two_micro_batches(tiny, tmp_path):
+    """One replica process, one memory node, two micro-batches (rotational): while one
+    micro-batch's attention runs on the node, the replica runs the other's slices, so their
+    steps overlap in time (neither waits in place for its RESULTs, as a lone one does);
+    greedy outputs equal HF."""
+    folder, want = tiny
+    with LLM(str(folder), memory=1, micro_batches=2, pipeline="rotational", placement="procs",
+             trace=str(tmp_path / "run.json")) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        spans = [s for s in llm.timeline.spans if s.role == "compute"]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    steps: dict[int, list] = {}
+    for s in spans:
+        steps.setdefault(s.args["step"], []).append(s)
+    ranges = sorted((min(s.start_ns for s in v), max(s.end_ns for s in v),
+                     v[0].args["micro_batch"]) for v in steps.values())
+    overlaps = sum(1 for a, b in zip(ranges, ranges[1:]) if b[0] < a[1] and b[2] != a[2])
+    # two micro-batches in flight overlap; a run of whole steps would overlap none (only a
+    # STEP that lands while the other's step runs)
+    assert overlaps >= len(ranges) // 4, ranges
+
+
 def test_process_replicas_sample_like_in_process_and_trace(tiny, tmp_path):
     """The engine draws the uniforms, so seeded sampling does not depend on which replica
     process samples; the timeline has spans of both replicas and both nodes."""
