@@ -10,9 +10,8 @@ venv under ``.peers/``, made by ``bash scripts/peers-setup.sh``):
 * ``lamina-procs``: ``LLM("smollm2", placement="procs", memory=1, device="cpu:0",
   memory_device="cpu:1")``: the compute replica on core 0, one memory node (KV + attention) in
   its own process on core 1;
-* ``lamina-procs-rot``: lamina-procs with two micro-batches in flight (``pipeline="rotational",
-  micro_batches=2``): the replica runs one micro-batch's slices while the node attends for the
-  other;
+* ``lamina-procs-rot``: lamina-procs with ``pipeline="rotational", micro_batches=2`` (one
+  micro-batch's slices run while the node attends for the other);
 * ``llamacpp-f32``: llama.cpp (``llama-cpp-python``, compiled here, -march=native) on
   ``.peers/weights/smollm2-f32.gguf``: the shipped GGUF's tensors dequantised to float32, the
   same numbers as lamina's float32 model; 2 threads;
@@ -29,24 +28,20 @@ as token ids to every engine (no tokeniser, no BOS); decoding is greedy for exac
 number of new tokens (EOS ignored), all requests submitted at once. How a child times its
 tokens (TTFT, prefill end, decode tok/s, start-up): ``bench/peers_child.py``.
 
-Rounds: every engine once per round (a fresh process, all workloads), their order rotating
-by one each round; default 2. Reported: the best round (decode tok/s highest, TTFT and start-up
-lowest) and the spread, (best - worst) / best over the rounds. **Greedy agreement** with
-``lamina-inproc``: the fraction of generated tokens (position by position, all requests) equal
-to lamina-inproc's in the same round; ``prefix`` in the JSON is the mean fraction of each
-request's tokens before the first difference.
+Rounds: every engine once per round (a fresh process, all workloads), order rotating; default 2.
+Reported: the best round (decode tok/s highest, TTFT and start-up lowest) and the spread
+(best - worst) / best. **Greedy agreement** with ``lamina-inproc``: the fraction of generated
+tokens (position by position, all requests) equal to its in the same round; ``prefix`` in the
+JSON: the mean fraction of each request's tokens before the first difference.
 
 Also measured: this machine's copy bandwidth (torch ``copy_`` of a 512 MiB float32 buffer, best
 of 5, counted as STREAM counts Copy: bytes read + bytes written, per second) with 1 thread and
 with every core, and lamina's batch-1 decode time per token against (weight bytes / copy
 bandwidth), the time it would take only to stream its float32 weights once (a lower bound).
-
-A child that fails or lacks its venv gives a row saying why; nothing is asserted about speed.
-Writes ``bench/results/peers_cpu.{md,json}``.
+A child that fails or lacks its venv gives a row saying why. Writes bench/results/peers_cpu.*.
 
     bash scripts/peers-setup.sh   # venvs and weights under .peers/ (once)
-    python bench/peers.py         # every engine, every workload, 2 rounds (or --engines,
-                                  # --workloads, --rounds 1: a subset)
+    python bench/peers.py         # 2 rounds of all (or --engines, --workloads, --rounds)
 """
 from __future__ import annotations
 

@@ -208,11 +208,8 @@ class SliceRunner:
                 return
 
     def _lone(self, mb: MicroBatch) -> bool:
-        """Whether ``mb`` is alone here with one ATTEND of every row a layer: its replica has
-        nothing else to run before that ATTEND's RESULT. Being alone here is not enough: the
-        engine's word is (``plan.alone``), since another micro-batch may arrive while this one
-        waits in place, and the two would then run one after the other instead of overlapping
-        (rotational pipelining)."""
+        """Whether ``mb`` is alone here with one ATTEND of every row a layer, and the engine says
+        so (``plan.alone``: else another may arrive while it waits in place, and run after it)."""
         if not mb.plan.alone or len(self.mbs) != 1 or self.polling is not None \
                 or len(mb.routes) != 1:
             return False

@@ -1,10 +1,9 @@
 """The engine: requests in, tokens out. One scheduler, the compute replicas, one memory pool.
 
-Each ``step()`` forms a StepPlan (continuous batching, chunked prefill) and its per-node routes
-for every free micro-batch slot, has the compute replicas (a :class:`~lamina.engine.worker.WorkerClient`,
-in this process, in processes or in Ray actors) run them, and applies stop conditions to the micro-batches that
-finish. With ``n`` slots (staggered pipelining, :mod:`lamina.computenode.runner`) a request belongs to at
-most one micro-batch in flight, and a micro-batch is re-formed as soon as it finishes.
+Each ``step()`` forms a StepPlan (continuous batching, chunked prefill) and its routes for every
+free micro-batch slot, has the compute replicas (a :class:`~lamina.engine.worker.WorkerClient`)
+run them, and applies stop conditions to those that finish. With ``n`` slots (staggered
+pipelining) a request belongs to at most one micro-batch in flight, re-formed as it finishes.
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ ID_STRIDE = 1 << 40  # an engine's request and step ids: [id_base, id_base + ID_
 
 @dataclass
 class InFlight:
-    """One micro-batch iteration in flight, as the engine keeps it: its plan, segments and
-    per-node routes (the replicas' view is :class:`lamina.computenode.runner.MicroBatch`)."""
+    """A micro-batch in flight as the engine keeps it (the replicas': ``runner.MicroBatch``)."""
 
     plan: StepPlan
     segs: list[ScheduledSegment]
@@ -254,8 +252,8 @@ class Engine:
         return [s.used_slots for s in self.worker.stats()], list(self.scheduler.capacity)
 
     def _fill(self, out: StepOutput) -> None:
-        """Form a micro-batch for every free slot that gets work, then submit them; each is
-        ``alone`` where it is the only one in flight (:class:`StepPlan`)."""
+        """Form a micro-batch for each free slot with work, then submit each one (``alone``:
+        the only one in flight)."""
         n = self.micro_batches
         cfg = self.scheduler.config
         formed: list[InFlight] = []
