@@ -3,8 +3,8 @@ sample) and TOKENS (the sampled ids), on the same wire protocol as the memory no
 
 STEP tensors: ``token_ids``, ``positions``, ``sample_rows``, then per route ``q_rows`` and
 ``kv_rows`` (all int64), then optionally the sampling ``uniforms`` (float32). Meta: step id,
-micro-batch, whether it is alone, segments, routes (node, works), request ids and their SamplingParams as plain
-JSON.
+micro-batch, whether it is alone, segments, routes (node, works), request ids and their
+SamplingParams as plain JSON.
 """
 from __future__ import annotations
 
