@@ -419,6 +419,8 @@ struct Item {
   int64_t j0, j1;     // key range [j0, j1) of the request's keys this item walks
   int64_t part;       // -1: writes o/lse; else index of its partial state
   int64_t cost;
+  // Its query vectors: G per query row and KV head (the scratch's rows).
+  int64_t vectors(int64_t G) const { return (t1 - t0) * G * nh; }
 };
 
 struct Args {
@@ -712,7 +714,7 @@ void run(const Args& a, int64_t R, QT* out, float* lse) {
   // head, far fewer than a full tile, and zeroing a tile-sized scratch cost more than the
   // attention of a short call.
   int64_t MT = 0;
-  for (const Item& it : items) MT = std::max(MT, (it.t1 - it.t0) * a.G * it.nh);
+  for (const Item& it : items) MT = std::max(MT, it.vectors(a.G));
   std::vector<float> part_o(nparts * MT * a.D), part_m(nparts * MT), part_l(nparts * MT);
   std::vector<int64_t> part_item(nparts);
   std::atomic<int64_t> next{0};
@@ -721,7 +723,7 @@ void run(const Args& a, int64_t R, QT* out, float* lse) {
     Scratch sc(MT, a.D);
     for (int64_t i = next++; i < n_items && !bad.load(std::memory_order_relaxed); i = next++) {
       const Item& it = items[i];
-      const int M = static_cast<int>((it.t1 - it.t0) * a.G * it.nh);
+      const int M = static_cast<int>(it.vectors(a.G));
       load_queries<QT>(a, it, sc);
       if (!attend_item<Kernel, KT, VT, IT>(a, it, sc, M)) {
         bad = true;
@@ -752,7 +754,7 @@ void run(const Args& a, int64_t R, QT* out, float* lse) {
     std::vector<float> o(MT * a.D), mx(MT), l(MT);
     for (int64_t g = b; g < e; ++g) {
       const Item& it = items[part_item[first[g]]];
-      const int64_t M = (it.t1 - it.t0) * a.G * it.nh;
+      const int64_t M = it.vectors(a.G);
       for (int64_t m = 0; m < M; ++m) {
         float mm = kNegInf;
         for (int64_t pi = first[g]; pi < first[g + 1]; ++pi)
