@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lamina.config import SchedulerConfig
+from lamina.engine.detokenize import IncrementalText, stop_found
 from lamina.engine.prefix_cache import Drop, PrefixCache
 from lamina.engine.request import Request, Status
 from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler
@@ -325,8 +326,8 @@ class Engine:
         if tok in p.stop_token_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            if any(s in text for s in p.stop):
+            req.decoded = req.decoded or IncrementalText()
+            if stop_found(req.decoded, req.output_ids, self.tokenizer, p.stop):
                 return "stop"
         if len(req.output_ids) >= p.max_tokens:
             return "length"

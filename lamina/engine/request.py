@@ -56,6 +56,7 @@ class Request:
     num_cached: int = 0
     cache_last: Any = None
     num_cached_tokens: int | None = None
+    decoded: Any = None  # its output's text so far, for stop strings (an IncrementalText)
 
     @property
     def all_ids(self) -> list[int]:
