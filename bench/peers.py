@@ -37,7 +37,9 @@ JSON: the mean fraction of each request's tokens before the first difference.
 Also measured: this machine's copy bandwidth (torch ``copy_`` of a 512 MiB float32 buffer, best
 of 5, counted as STREAM counts Copy: bytes read + bytes written, per second) with 1 thread and
 with every core, and lamina's batch-1 decode time per token against (weight bytes / copy
-bandwidth), the time it would take only to stream its float32 weights once (a lower bound).
+bandwidth), the time it would take only to stream its float32 weights once (a lower bound),
+and against (weight bytes / read bandwidth: torch ``sum`` of the same buffer), the time a pure
+read of them takes.
 A child that fails or lacks its venv gives a row saying why. Writes bench/results/peers_cpu.*.
 
     bash scripts/peers-setup.sh   # venvs and weights under .peers/ (once)
@@ -250,6 +252,20 @@ def copy_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
         torch.set_num_threads(before)
 
 
+def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Bytes read per second by torch ``sum`` of ``mib`` MiB (a pure read, as a weight stream)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(mib << 18)
+        src.sum()
+        return src.numel() * 4 / min(_timed(src.sum) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(before)
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -315,6 +331,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"copy bandwidth (1 thread, {cores} threads; again at the end) ...", flush=True)
     bw = {1: copy_bandwidth(1), cores: copy_bandwidth(cores)}
+    rd = {1: read_bandwidth(1), cores: read_bandwidth(cores)}
     wbytes = weight_bytes()
     names = list(args.engines)
     if REFERENCE not in names:
@@ -336,6 +353,7 @@ def main() -> None:
     load.append(os.getloadavg()[0])
     for k in bw:  # again at the end: the better of the two (a busy moment only lowers it)
         bw[k] = max(bw[k], copy_bandwidth(k))
+        rd[k] = max(rd[k], read_bandwidth(k))
     rows = aggregate(runs, args.workloads)
 
     # batch 1 against the weights' streaming time
@@ -345,9 +363,10 @@ def main() -> None:
                     and x.get("decode_tok_s")), None)
         if row and wbytes:
             ms = 1e3 / row["decode_tok_s"]
-            floor = 1e3 * wbytes / bw[threads]
+            floor, read = 1e3 * wbytes / bw[threads], 1e3 * wbytes / rd[threads]
             roof.append({"engine": n, "threads": threads, "ms_per_token": ms,
-                         "weights_ms": floor, "ratio": ms / floor})
+                         "weights_ms": floor, "ratio": ms / floor,
+                         "read_ms": read, "read_ratio": ms / read})
     table = render_table(rows)
     cmd = "python bench/peers.py" + "".join(
         f" {flag} " + " ".join(f"'{v}'" if ">" in str(v) else str(v) for v in vals)
@@ -359,6 +378,7 @@ def main() -> None:
             "lamina": lamina_tree(),
             "rounds": args.rounds, "seed": SEED, "command": cmd, "setup": "bash scripts/peers-setup.sh",
             "copy_bandwidth_GBps": {str(k): v / 1e9 for k, v in bw.items()},
+            "read_bandwidth_GBps": {str(k): v / 1e9 for k, v in rd.items()},
             "weight_bytes": wbytes, "peers": versions, "loadavg_1min_start_end": load,
             "engines": {n: {k: v for k, v in all_engines[n].items() if k != "python"} for n in names},
             "logs": str(logdir)}
@@ -383,13 +403,17 @@ def main() -> None:
           "generated tokens equal, position by position, to lamina-inproc's (bench/peers.py's "
           "docstring says how each engine is timed).", "", table, "",
           f"Copy bandwidth (torch copy_, 512 MiB, read + write bytes; the better of a "
-          f"measurement before the rounds and one after): {bwline}."]
+          f"measurement before the rounds and one after): {bwline}. Read bandwidth (torch "
+          f"sum, 512 MiB, bytes read): "
+          + ", ".join(f"{v / 1e9:.1f} GB/s with {k} thread{'s' * (k > 1)}" for k, v in rd.items())
+          + "."]
     if wbytes:
         md.append(f"Weights: {wbytes / 1e6:.0f} MB float32 (tied embedding once).")
     for x in roof:
         md.append(f"- {x['engine']}, batch 1: {x['ms_per_token']:.1f} ms/token against "
                   f"{x['weights_ms']:.1f} ms to stream the weights once at the {x['threads']}-"
-                  f"thread copy bandwidth ({x['ratio']:.1f}x)")
+                  f"thread copy bandwidth ({x['ratio']:.1f}x); {x['read_ms']:.1f} ms to read them "
+                  f"once at the {x['threads']}-thread read bandwidth ({x['read_ratio']:.2f}x)")
     md.append("")
     (out / "peers_cpu.md").write_text("\n".join(md))
     print("\n".join(md))
