@@ -12,6 +12,8 @@ venv under ``.peers/``, made by ``bash scripts/peers-setup.sh``):
   its own process on core 1;
 * ``lamina-procs-rot``: lamina-procs with ``pipeline="rotational", micro_batches=2`` (one
   micro-batch's slices run while the node attends for the other);
+* ``lamina-procs-adapt``: lamina-procs with ``micro_batches=2, adapt_micro_batches=True`` (the
+  engine times one micro-batch against two while decoding and keeps the faster);
 * ``llamacpp-f32``: llama.cpp (``llama-cpp-python``, compiled here, -march=native) on
   ``.peers/weights/smollm2-f32.gguf``: the shipped GGUF's tensors dequantised to float32, the
   same numbers as lamina's float32 model; 2 threads;
@@ -89,6 +91,8 @@ def engines(cores: tuple[int, ...] | None = None) -> dict[str, dict]:
         "lamina-procs": dict(kind="lamina", python=sys.executable, settings=procs),
         "lamina-procs-rot": dict(kind="lamina", python=sys.executable, settings={
             **procs, "pipeline": "rotational", "micro_batches": 2}),
+        "lamina-procs-adapt": dict(kind="lamina", python=sys.executable, settings={
+            **procs, "micro_batches": 2, "adapt_micro_batches": True}),
         "llamacpp-f32": dict(kind="llamacpp", python=llama_py, venv="llamacpp", settings=dict(
             model=str(WEIGHTS / "smollm2-f32.gguf"), threads=n)),
         "llamacpp-q4_1": dict(kind="llamacpp", python=llama_py, venv="llamacpp", settings=dict(

@@ -41,6 +41,8 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
     "micro_batches": ("micro-batches in flight (default: 1; compute+1 when rotational)", None),
     "pipeline": ("staggered pipelining schedule (default: rotational when more than one "
                  "micro-batch or replica)", SCHEDULES),
+    "adapt_micro_batches": ("one compute replica, --micro-batches >= 2: keep 1 or that many "
+                            "in flight, whichever decodes faster, timed while serving", None),
     "attn_parts": ("send each memory node its share of a layer as up to this many mini-batches, "
                    "so it attends the first while the rest arrive", None),
     "kv_cache_gb": ("KV budget per memory node", None),
@@ -61,7 +63,7 @@ _GROUPS = {
     None: ("model", "dtype"),
     "placement": ("compute", "memory", "instances", "placement", "transport", "address", "device",
                   "memory_device", "cuda_graphs", "device_polling", "kernels", "spare"),
-    "pipelining": ("micro_batches", "pipeline", "attn_parts"),
+    "pipelining": ("micro_batches", "pipeline", "attn_parts", "adapt_micro_batches"),
     "KV cache and scheduling": ("kv_cache_gb", "kv_cache_tokens", "kv_dtype", "prefix_caching",
                                 "slab_size", "max_num_seqs", "max_num_batched_tokens",
                                 "borrowing", "plan_every"),

@@ -145,12 +145,15 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     """``micro_batches`` in flight under ``schedule`` on ``replicas`` compute replicas; each
-    node gets its share of a layer as up to ``attn_parts`` mini-batches (1: one ATTEND)."""
+    node gets its share of a layer as up to ``attn_parts`` mini-batches (1: one ATTEND).
+    ``adapt`` (one replica, ``micro_batches`` > 1): the engine keeps 1 or ``micro_batches`` in
+    flight, whichever decodes faster as it times them while serving."""
 
     schedule: str = "none"
     micro_batches: int = 1
     replicas: int = 1
     attn_parts: int = 1
+    adapt: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -164,10 +167,14 @@ class PipelineConfig:
         if self.micro_batches < self.replicas:
             raise ValueError(f"{self.micro_batches} micro-batches cannot keep {self.replicas} "
                              f"compute replicas busy: use at least as many micro-batches")
+        if self.adapt and (self.replicas != 1 or self.micro_batches < 2):
+            raise ValueError("adapt_micro_batches times one micro-batch against micro_batches on "
+                             f"one compute replica: it needs compute=1 and micro_batches >= 2 "
+                             f"(got compute={self.replicas}, micro_batches={self.micro_batches})")
 
 
 def resolve_pipeline(pipeline: str | None, micro_batches: int | None,
-                     compute: int, attn_parts: int = 1) -> PipelineConfig:
+                     compute: int, attn_parts: int = 1, adapt: bool = False) -> PipelineConfig:
     """Defaults as in Lamina: more than one micro-batch or replica means rotational, with
     ``n = N + 1`` micro-batches on ``N`` replicas (2 on one replica); ``fixed`` defaults to one
     micro-batch per replica."""
@@ -175,7 +182,7 @@ def resolve_pipeline(pipeline: str | None, micro_batches: int | None,
         pipeline = "rotational" if (micro_batches or 1) > 1 or compute > 1 else "none"
     if micro_batches is None:
         micro_batches = {"none": 1, "fixed": compute}.get(pipeline, compute + 1)
-    return PipelineConfig(pipeline, micro_batches, compute, attn_parts)
+    return PipelineConfig(pipeline, micro_batches, compute, attn_parts, adapt)
 
 
 @dataclass(frozen=True)
@@ -315,7 +322,8 @@ class ServerConfig:
 # ``LLM(model, **settings)`` and the CLI's flags name each setting by its field: every field of
 # ModelConfig, CacheConfig, SchedulerConfig, InstanceConfig and DeploymentConfig, except that the
 # instance's ``pipeline`` is given as its parts (``compute``; ``pipeline``, the schedule's name;
-# ``micro_batches``; ``attn_parts``), which :func:`resolve_pipeline` completes.
+# ``micro_batches``; ``attn_parts``; ``adapt_micro_batches``), which :func:`resolve_pipeline`
+# completes.
 _NESTED = {"model", "cache", "scheduler", "instance", "pipeline"}  # configs within configs
 _SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, InstanceConfig, DeploymentConfig)
 
@@ -332,7 +340,7 @@ def _default(f: Field) -> Any:
 SETTINGS: dict[str, Any] = {
     **{f.name: _default(f) for cls in _SECTIONS for f in _own(cls)},
     "compute": PipelineConfig.replicas, "pipeline": None, "micro_batches": None,
-    "attn_parts": PipelineConfig.attn_parts}
+    "attn_parts": PipelineConfig.attn_parts, "adapt_micro_batches": PipelineConfig.adapt}
 
 
 def dtype_name(dtype: torch.dtype | str | None) -> str | None:
@@ -357,7 +365,8 @@ def deployment_config(model: str | None = None, **settings: Any) -> DeploymentCo
     def take(cls) -> dict[str, Any]:
         return {f.name: s[f.name] for f in _own(cls)}
 
-    pipeline = resolve_pipeline(s["pipeline"], s["micro_batches"], s["compute"], s["attn_parts"])
+    pipeline = resolve_pipeline(s["pipeline"], s["micro_batches"], s["compute"], s["attn_parts"],
+                                s["adapt_micro_batches"])
     return DeploymentConfig(ModelConfig(**take(ModelConfig)), CacheConfig(**take(CacheConfig)),
                             SchedulerConfig(**take(SchedulerConfig)),
                             InstanceConfig(**take(InstanceConfig), pipeline=pipeline),

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from lamina.config import SchedulerConfig
 from lamina.engine.detokenize import IncrementalText, stop_found
+from lamina.engine.micro_batch_choice import MicroBatchChoice
 from lamina.engine.prefix_cache import Drop, PrefixCache
 from lamina.engine.request import Request, Status
 from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler
@@ -47,15 +49,19 @@ class Engine:
     def __init__(self, worker: WorkerClient, capacities: list[int], config: SchedulerConfig,
                  eos_token_ids: set[int] | None = None, tokenizer=None,
                  vocab_size: int | None = None, id_base: int = 0, lender: Lender | None = None,
-                 micro_batches: int = 1, prefix_caching: bool = False):
+                 micro_batches: int = 1, prefix_caching: bool = False, adapt: bool = False):
         """``micro_batches``: slots in flight at once (the instance's pipeline config; the
-        worker must accept as many). ``id_base`` starts this engine's request and step ids, so
+        worker must accept as many); ``adapt``: use either 1 or ``micro_batches`` of them,
+        whichever decodes faster as timed while serving (:mod:`~lamina.engine.micro_batch_choice`).
+        ``id_base`` starts this engine's request and step ids, so
         engines whose pools lend to each other never share an id on a memory node; ``lender``
         (cluster borrowing) supplies KV space beyond ``capacities``; ``prefix_caching``: keep
         computed KV on the nodes for later requests that share its prefix
         (:mod:`lamina.engine.prefix_cache`; cache entries have negative ids on the nodes)."""
         self.worker = worker
         self.micro_batches = micro_batches
+        self.choice = MicroBatchChoice((micro_batches, 1)) if adapt and micro_batches > 1 \
+            else None
         self.vocab_size = vocab_size
         cache = PrefixCache(len(capacities)) if prefix_caching else None
         self.scheduler = Scheduler(capacities, config, lender, cache)
@@ -255,8 +261,11 @@ class Engine:
     def _fill(self, out: StepOutput) -> None:
         """Form a micro-batch for each free slot with work, then submit each one (``alone``:
         the only one in flight)."""
-        n = self.micro_batches
         cfg = self.scheduler.config
+        n = self.micro_batches
+        if self.choice is not None and len(self.scheduler.running) + len(
+                self.scheduler.waiting) <= cfg.max_num_seqs:  # else one micro-batch cannot hold all
+            n = self.choice.current
         formed: list[InFlight] = []
         for slot in range(n):
             if slot in self._in_flight:
@@ -297,6 +306,9 @@ class Engine:
                 out.finished.append(req)
         self._apply_cache_ops()
         self._free(finished_ids)
+        if self.choice is not None:
+            self.choice.record(len(tokens), all(s.num_tokens == 1 for s in segs),
+                               time.perf_counter())
         for seg in segs:  # aborted while in flight: now its KV can go
             error = self._aborted.pop(seg.req.req_id, None)
             if error is not None:

@@ -268,7 +268,7 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
     engine = Engine(worker, [cap] * icfg.memory, scheduler, info.eos, info.tokenizer,
                     info.vocab_size, id_base=inst_id * ID_STRIDE,
                     micro_batches=icfg.pipeline.micro_batches,
-                    prefix_caching=config.cache.prefix_caching)
+                    prefix_caching=config.cache.prefix_caching, adapt=icfg.pipeline.adapt)
     return Instance(inst_id, engine, nodes, closers, [cap] * icfg.memory, restart_node=restart)
 
 

@@ -97,7 +97,7 @@ def test_aggregate_takes_the_best_round_and_compares_with_lamina_inproc():
 def test_every_engine_is_named_with_its_cores():
     e = peers.engines(cores=(0, 1))
     assert list(e) == ["lamina-inproc", "lamina-gguf", "lamina-gguf-q8", "lamina-procs",
-                       "lamina-procs-rot", "llamacpp-f32", "llamacpp-q4_1", "vllm-2cores", "vllm-default"]
+                       "lamina-procs-rot", "lamina-procs-adapt", "llamacpp-f32", "llamacpp-q4_1", "vllm-2cores", "vllm-default"]
     assert e["lamina-inproc"]["settings"] == {"placement": "inproc", "device": "cpu:0-1"}
     assert e["lamina-gguf"]["settings"] == {"placement": "inproc", "device": "cpu:0-1",
                                             "kernels": "gguf"}
@@ -106,6 +106,8 @@ def test_every_engine_is_named_with_its_cores():
                                              "memory_device": "cpu:1"}
     assert e["lamina-procs-rot"]["settings"] == {**e["lamina-procs"]["settings"],
                                                  "pipeline": "rotational", "micro_batches": 2}
+    assert e["lamina-procs-adapt"]["settings"] == {**e["lamina-procs"]["settings"],
+                                                   "micro_batches": 2, "adapt_micro_batches": True}
     assert e["vllm-2cores"]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert "env" not in e["vllm-default"] and e["llamacpp-f32"]["settings"]["threads"] == 2
 

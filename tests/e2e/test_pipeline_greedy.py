@@ -6,6 +6,7 @@ test_pipeline_processes.py and tests/instance/ cover pipelining across processes
 import pytest
 
 from lamina import LLM, SamplingParams
+from lamina.engine.micro_batch_choice import MicroBatchChoice
 from lamina.models import load_model
 
 from hf_oracle import hf_greedy, tiny_case
@@ -60,6 +61,34 @@ def test_pipelined_greedy_matches_hf(tiny, config):
         if n > 1:  # more than one micro-batch really was in flight
             assert worker.max_in_flight > 1
         assert [c.stats().used_slots for c in inst.nodes] == inst.engine.scheduler.cache.held
+
+
+def test_adapting_micro_batches_switches_between_one_and_two_and_matches_hf(tiny):
+    folder, want = tiny
+    with LLM(str(folder), micro_batches=2, adapt_micro_batches=True, memory=2) as llm:
+        engine = llm.deployment.instances[0].engine
+        assert engine.choice.candidates == (2, 1)
+        engine.choice = MicroBatchChoice((2, 1), window=1, keep=1)  # switch within 10 tokens
+        fills = []  # (count chosen, micro-batches in flight) after each fill, all 8 running
+        fill = engine._fill
+
+        def logged(out):
+            fill(out)
+            if len(engine.scheduler.running) == len(PROMPTS):
+                fills.append((engine.choice.current, len(engine._in_flight)))
+        engine._fill = logged
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert set(engine.choice.rates) == {1, 2}
+        assert (1, 1) in fills and (2, 2) in fills  # one micro-batch held all 8, and two 4 each
+
+
+def test_adapting_needs_one_replica_and_two_micro_batches():
+    with pytest.raises(ValueError, match="adapt_micro_batches"):
+        LLM("unused", compute=2, adapt_micro_batches=True)
+    with pytest.raises(ValueError, match="adapt_micro_batches"):
+        LLM("unused", micro_batches=1, adapt_micro_batches=True)
 
 
 @pytest.mark.slow
