@@ -31,7 +31,7 @@ class MicroBatchChoice:
 
     candidates: tuple[int, ...]
     window: int = 4
-    keep: int = 8
+    keep: int = 16
     max_keep: int = 64
     rates: dict[int, float] = field(default_factory=dict)
     current: int = 0  # the count in use
