@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -242,30 +243,26 @@ def run_child(name: str, eng: dict, workloads: dict[str, tuple[int, int, int]], 
 
 def copy_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
     """Bytes read + written per second by torch ``copy_`` of ``mib`` MiB (STREAM's Copy)."""
+    return 2 * _best_rate(threads, mib, repeats, lambda src: partial(src.clone().copy_, src))
+
+
+def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Bytes read per second by torch ``sum`` of ``mib`` MiB (a pure read, as a weight stream)."""
+    return _best_rate(threads, mib, repeats, lambda src: src.sum)
+
+
+def _best_rate(threads: int, mib: int, repeats: int, make) -> float:
+    """Bytes of ``src`` (``mib`` MiB of float32) per second of the best of ``repeats`` calls of
+    ``make(src)()`` (one untimed call first), on ``threads`` torch threads."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         src = torch.ones(mib << 18)  # float32: mib MiB
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-        return 2 * src.numel() * 4 / best
-    finally:
-        torch.set_num_threads(before)
-
-
-def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
-    """Bytes read per second by torch ``sum`` of ``mib`` MiB (a pure read, as a weight stream)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        src = torch.ones(mib << 18)
-        src.sum()
-        return src.numel() * 4 / min(_timed(src.sum) for _ in range(repeats))
+        fn = make(src)
+        fn()
+        return src.numel() * 4 / min(_timed(fn) for _ in range(repeats))
     finally:
         torch.set_num_threads(before)
 
