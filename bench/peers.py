@@ -58,10 +58,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bandwidth import copy_bandwidth, read_bandwidth  # noqa: E402
 from peers_child import SEED  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,38 +239,6 @@ def run_child(name: str, eng: dict, workloads: dict[str, tuple[int, int, int]], 
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-3:]
         res["error"] = f"exit {rc}: {' / '.join(tail)[-400:]}"
     return res
-
-
-def copy_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
-    """Bytes read + written per second by torch ``copy_`` of ``mib`` MiB (STREAM's Copy)."""
-    return 2 * _best_rate(threads, mib, repeats, lambda src: partial(src.clone().copy_, src))
-
-
-def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
-    """Bytes read per second by torch ``sum`` of ``mib`` MiB (a pure read, as a weight stream)."""
-    return _best_rate(threads, mib, repeats, lambda src: src.sum)
-
-
-def _best_rate(threads: int, mib: int, repeats: int, make) -> float:
-    """Bytes of ``src`` (``mib`` MiB of float32) per second of the best of ``repeats`` calls of
-    ``make(src)()`` (one untimed call first), on ``threads`` torch threads."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        src = torch.ones(mib << 18)  # float32: mib MiB
-        fn = make(src)
-        fn()
-        return src.numel() * 4 / min(_timed(fn) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(before)
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def weight_bytes() -> int | None:

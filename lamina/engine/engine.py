@@ -19,10 +19,11 @@ from lamina.engine.detokenize import IncrementalText, stop_found
 from lamina.engine.micro_batch_choice import MicroBatchChoice
 from lamina.engine.prefix_cache import Drop, PrefixCache
 from lamina.engine.request import Request, Status
+from lamina.engine.routes import build_routes
 from lamina.engine.scheduler import Lender, ScheduledSegment, Scheduler
 from lamina.engine.worker import WorkerClient
 from lamina.transport.node_client import NodeClient
-from lamina.types import KVChunk, NodeRoute, SamplingParams, Segment, ShardWork, StepPlan
+from lamina.types import KVChunk, NodeRoute, SamplingParams, Segment, StepPlan
 
 log = logging.getLogger("lamina.engine")
 ID_STRIDE = 1 << 40  # an engine's request and step ids: [id_base, id_base + ID_STRIDE)
@@ -385,29 +386,3 @@ class Engine:
         req.error = error
         self._free([req.req_id])
 
-
-def build_routes(segs: list[ScheduledSegment]) -> list[NodeRoute]:
-    """Per memory node holding part of a segment's request: its works (in segment order) and
-    the step rows of its queries and of the k/v it stores (see :class:`NodeRoute`)."""
-    works: dict[int, list[ShardWork]] = {}
-    q_rows: dict[int, list[range]] = {}
-    kv_rows: dict[int, list[range]] = {}
-    offset = 0
-    for seg in segs:
-        req = seg.req
-        appends = {node: (start, count) for node, start, count in seg.appends}
-        for shard_node in dict.fromkeys(s.node for s in req.shards):
-            a_start, a_count = appends.get(shard_node, (0, 0))
-            works.setdefault(shard_node, []).append(
-                ShardWork(req.req_id, seg.start, seg.num_tokens, a_start, a_count))
-            q_rows.setdefault(shard_node, []).append(range(offset, offset + seg.num_tokens))
-            first = offset + (a_start - seg.start)
-            kv_rows.setdefault(shard_node, []).append(range(first, first + a_count))
-        offset += seg.num_tokens
-    routes = []
-    for node in sorted(works):
-        q = [i for r in q_rows[node] for i in r]
-        kv = [i for r in kv_rows[node] for i in r]
-        routes.append(NodeRoute(node, works[node], torch.tensor(q, dtype=torch.long),
-                                torch.tensor(kv, dtype=torch.long)))
-    return routes
