@@ -17,7 +17,9 @@ a prefill chunk (512 rows at the end of 2,048 keys, causal), extends (16 request
     python bench/attention_tiles.py --threads 1 --reps 9
 
 Reports ms per call (one layer), GFLOP/s (2 FLOPs per multiply-add, q.k and p.v over the visible
-keys) and per-query / tile per round (median and range). Writes
+keys) and per-query / tile per round (median and range), and, as the arithmetic's ceiling on
+this machine, the GFLOP/s of ``torch.bmm`` (its BLAS) doing the call's two products on dense
+in-cache tensors of the same shapes, without softmax or paging. Writes
 ``bench/results/attention_tiles_cpu.{json,md}`` (``--out``). Never asserts speed.
 """
 from __future__ import annotations
@@ -84,6 +86,23 @@ def pass_time(ext, calls: list[tuple]) -> float:
     return (time.perf_counter() - t0) / len(calls)
 
 
+def gemm_gflops(requests: int, rows: int, keys: int, reps: int) -> float:
+    """GFLOP/s of ``torch.bmm`` computing q.k and p.v of every KV head's queries over all
+    ``keys`` (dense, contiguous, in cache; no softmax, no mask): the BLAS's rate, best of
+    ``reps`` timings of at least 0.1 s each."""
+    g, b = HEADS // KV_HEADS, requests * KV_HEADS
+    q, k = torch.randn(b, g * rows, DIM), torch.randn(b, DIM, keys)
+    v = torch.randn(b, keys, DIM)
+    best = float("inf")
+    for _ in range(reps + 1):
+        n, t0 = 0, time.perf_counter()
+        while (dt := time.perf_counter() - t0) < 0.1 or n == 0:
+            torch.bmm(torch.bmm(q, k), v)
+            n += 1
+        best = min(best, dt / n)
+    return 4.0 * b * g * rows * keys * DIM / best / 1e9
+
+
 def run(threads: int, reps: int, budget: int) -> list[dict]:
     torch.set_num_threads(threads)
     tile, per_query = cpp_ext.load(), cpp_ext.load(extra=PER_QUERY)
@@ -108,11 +127,12 @@ def run(threads: int, reps: int, budget: int) -> list[dict]:
                  max_abs_diff=diff)
         r["gflops_per_query"] = flops / r["ms_per_query"] / 1e6
         r["gflops_tile"] = flops / r["ms_tile"] / 1e6
+        r["gflops_gemm"] = gemm_gflops(*shape[:3], reps)
         rows.append(r)
         print(f"{name}: per query {r['ms_per_query']:.3f} ms ({r['gflops_per_query']:.1f} GFLOP/s), "
               f"tile {r['ms_tile']:.3f} ms ({r['gflops_tile']:.1f} GFLOP/s): "
               f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}), "
-              f"outputs within {diff:.1e}", flush=True)
+              f"outputs within {diff:.1e}; torch.bmm {r['gflops_gemm']:.1f} GFLOP/s", flush=True)
         del calls
     return rows
 
@@ -122,13 +142,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
            f"SmolLM2's attention shape (9/3 heads, D 64), float32 pools, {meta['threads']} "
            f"thread(s), kernel {meta['simd']}, torch {meta['torch']}; median of {meta['reps']} "
            "interleaved rounds; per query: the same source built with `-DLAMINA_TILE_MIN=1000000`; "
-           "`x`: per-query time / tile time per round (range in brackets).", "",
+           "`x`: per-query time / tile time per round (range in brackets); `bmm`: the GFLOP/s of "
+           "torch.bmm doing the call's two products dense and in cache (no softmax, no paging): "
+           "the machine's BLAS on the same shapes.", "",
            "    " + meta["command"], "",
-           "| shape | ms per call, per query | tile | GFLOP/s, per query | tile | x |",
-           "|---|---:|---:|---:|---:|---:|"]
+           "| shape | ms per call, per query | tile | GFLOP/s, per query | tile | bmm | x |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['shape']} | {r['ms_per_query']:.3f} | {r['ms_tile']:.3f} | "
-                   f"{r['gflops_per_query']:.1f} | {r['gflops_tile']:.1f} | "
+                   f"{r['gflops_per_query']:.1f} | {r['gflops_tile']:.1f} | {r['gflops_gemm']:.1f} | "
                    f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |")
     return "\n".join(out) + "\n"
 

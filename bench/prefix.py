@@ -98,9 +98,11 @@ def run_attention(args) -> dict:
     positions, each with its own slots (``uncached``) or sharing the prefix's slots as the
     prefix cache leaves them (``cached``: the step's cascade reads the prefix once; ``shared,
     per request``: the same slots with the cascade off). Times PREPARE plus one ATTEND per
-    layer of a decode step, ``--reps`` steps per layout, layouts interleaved."""
+    layer of a decode step (the step's q, k, v made before the clock starts), ``--reps`` steps
+    per layout, layouts interleaved, once both nodes' pools are committed."""
     import torch
 
+    from lamina.device import wait_populated
     from lamina.memnode import MemoryNode
     from lamina.types import AttendMsg, AttentionSpec, KVChunk, PrepareMsg, ShardWork
 
@@ -126,6 +128,7 @@ def run_attention(args) -> dict:
             else:
                 node.import_kv(KVChunk(r, 0, kv(P + S), kv(P + S)))
         nodes[layout] = node
+    wait_populated()  # steady state: a young pool's first writes fault its pages in
     times: dict[str, list[float]] = {"uncached": [], "shared, per request": [], "cached": []}
     step = 0
     for _ in range(args.reps):
@@ -133,14 +136,15 @@ def run_attention(args) -> dict:
             node = nodes["uncached" if name == "uncached" else "cached"]
             pos = node.shard(0)[1]
             step += 1
+            msgs = [AttendMsg(step, spec.layer, torch.randn(R, H, D, generator=g),
+                              torch.randn(R, HKV, D, generator=g),
+                              torch.randn(R, HKV, D, generator=g)) for spec in specs]
             t0 = time.perf_counter()
             node.prepare(PrepareMsg(step, [ShardWork(r, pos, 1, pos, 1) for r in range(R)]))
             if name == "shared, per request":
                 node._steps[step].cascade = None
-            for spec in specs:
-                node.attend(AttendMsg(step, spec.layer, torch.randn(R, H, D, generator=g),
-                                      torch.randn(R, HKV, D, generator=g),
-                                      torch.randn(R, HKV, D, generator=g)))
+            for msg in msgs:
+                node.attend(msg)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) * 1000 for name, t in times.items()} | {
         "spread_ms": {name: [min(t) * 1000, max(t) * 1000] for name, t in times.items()}}

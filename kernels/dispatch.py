@@ -33,7 +33,7 @@ from lamina.config import kernels_in_use
 
 from lamina.kernels import cpp_ext
 from lamina.kernels.kv_format import KVFormat
-from lamina.kernels.reference import merge_states_ref, paged_attention_ref
+from lamina.kernels.reference import merge_rows_ref, merge_states_ref, paged_attention_ref
 from lamina.kernels.torch_batched import paged_attention_batched
 from lamina.kernels.torch_sparse import paged_attention_cpu
 from lamina.types import AttentionSpec
@@ -131,3 +131,22 @@ def merge_states(os: torch.Tensor | list[torch.Tensor],
         from lamina.kernels.triton_merge import merge_states_triton
         return merge_states_triton(os, lses)
     return merge_states_ref(os, lses)
+
+
+
+def resolve_merge(device: torch.device) -> Callable[..., None]:
+    """The in-place row merge for tensors on ``device`` (``merge_rows(o[T,H,D], lse[T,H],
+    rows[n], og[n,H,D], lg[n,H])``, :func:`~lamina.kernels.reference.merge_rows_ref`'s
+    contract), resolved once as :func:`resolve` is: the C++ kernel where :func:`backend_for`
+    picks it, for float32 (one call instead of a dozen element-wise ops, ~0.2 ms a layer at a
+    cascade's 64 rows), the reference otherwise."""
+    if backend_for(device) != "cpp":
+        return merge_rows_ref
+    kernel = cpp_ext.load().merge_rows
+
+    def merge_rows(o, lse, rows, og, lg) -> None:
+        if o.dtype == og.dtype == torch.float32:
+            kernel(o, lse, rows, og.contiguous(), lg.contiguous())
+        else:
+            merge_rows_ref(o, lse, rows, og, lg)
+    return merge_rows

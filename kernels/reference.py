@@ -99,3 +99,17 @@ def merge_states_ref(os: torch.Tensor | list[torch.Tensor],
     w = torch.exp(l_stack - lse[None]).nan_to_num(0.0)  # [S,T,H]
     o = (w[..., None] * o_stack.float()).sum(0)
     return o.to(o_stack.dtype), lse
+
+
+def merge_rows_ref(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, og: torch.Tensor,
+                   lg: torch.Tensor) -> None:
+    """In place: rows ``rows[n]`` of ``(o[T,H,D], lse[T,H])`` merged by log-sum-exp with another
+    partial state of the same queries, ``(og[n,H,D], lg[n,H])`` (a cascade's prefix pass).
+    Every ``lg`` must be finite (each query saw a key of that pass)."""
+    l1 = lse[rows]
+    m = torch.maximum(l1, lg)
+    w1, w2 = torch.exp(l1 - m), torch.exp(lg - m)
+    total = w1 + w2
+    merged = (o[rows].float() * w1[..., None] + og.float() * w2[..., None]) / total[..., None]
+    o[rows] = merged.to(o.dtype)
+    lse[rows] = m + torch.log(total)

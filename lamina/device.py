@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -201,9 +202,27 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now
     if commit == "now":
         return out.zero_()  # fault every page in now (as huge pages where the kernel has them)
     if commit == "background":
-        threading.Thread(target=populate, args=(out, True), daemon=True,
-                         name="lamina-populate").start()
+        t = threading.Thread(target=populate, args=(out, True), daemon=True,
+                             name="lamina-populate")
+        _populating.append(t)
+        t.start()
     return out  # an anonymous mapping reads as zeros
+
+
+_populating: list[threading.Thread] = []  # this process's background commits (huge_page_zeros)
+
+
+def wait_populated(timeout: float | None = None) -> bool:
+    """Wait until every ``commit="background"`` allocation of this process is committed (for a
+    measurement of steady state: until then a first write to a page faults it in, ~0.1 ms a
+    huge page). True when all are; False where ``timeout`` (seconds, overall) ran out first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in list(_populating):
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            return False
+        _populating.remove(t)
+    return True
 
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, leaving their contents

@@ -70,11 +70,12 @@ def shared_prefixes(olds: list[np.ndarray], ks: np.ndarray, q_start: np.ndarray,
     return groups
 
 
-def attend_cascade(attention, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   qo_indptr: torch.Tensor, q_positions: torch.Tensor, c: Cascade, spec,
-                   **scales) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_cascade(attention, merge, q: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, qo_indptr: torch.Tensor, q_positions: torch.Tensor,
+                   c: Cascade, spec, **scales) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` (a paged attention kernel) over the step's own keys and, once per group,
-    its shared prefix; the grouped rows merged by LSE. Returns ``(o[Tq,H,D], lse[Tq,H])``."""
+    its shared prefix; the grouped rows merged by LSE with ``merge`` (in place:
+    :func:`lamina.kernels.dispatch.resolve_merge`). Returns ``(o[Tq,H,D], lse[Tq,H])``."""
     s = c.suffix
     o, lse = attention(q, k_pool, v_pool, qo_indptr, torch.from_numpy(s.kv_indptr), s.kv_indices,
                        q_positions, s.kv_start_pos, spec, **scales)
@@ -82,11 +83,5 @@ def attend_cascade(attention, q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     og, lg = attention(q[c.rows], k_pool, v_pool, torch.from_numpy(c.qo_indptr),
                        torch.from_numpy(p.kv_indptr), p.kv_indices, c.q_positions,
                        p.kv_start_pos, spec, **scales)
-    l1 = lse[c.rows]
-    m = torch.maximum(l1, lg)  # lg is finite: every grouped query sees its whole prefix
-    w1, w2 = torch.exp(l1 - m), torch.exp(lg - m)
-    total = w1 + w2
-    merged = (o[c.rows].float() * w1[..., None] + og.float() * w2[..., None]) / total[..., None]
-    o[c.rows] = merged.to(o.dtype)
-    lse[c.rows] = m + torch.log(total)
+    merge(o, lse, c.rows, og, lg)  # lg is finite: every grouped query sees its prefix
     return o, lse

@@ -114,6 +114,7 @@ class MemoryNode(KVMoves):
         self._attend_ns = 0  # cumulative ATTEND time, reported by STATS
         self.plane: NativePlane | None = None  # a native data plane serving ATTENDs (see sync)
         self._attention = None  # the kernel for the pool's device, resolved at the first ATTEND
+        self._merge = None  # with the LSE merge of a cascade's rows
 
     def native_exchange(self) -> NativeExchange | None:
         """:meth:`attend` as a whole-step program in this process calls it, without Python (the
@@ -227,10 +228,11 @@ class MemoryNode(KVMoves):
         qo_indptr, kv_indptr = torch.from_numpy(view.qo_indptr), torch.from_numpy(idx.kv_indptr)
         if self._attention is None:  # this role's kernel choices hold for its lifetime
             self._attention = dispatch.resolve(self.pool.device)
+            self._merge = dispatch.resolve_merge(self.pool.device)
         q, kv = msg.q.to(self.pool.device), (self.pool.k(li), self.pool.v(li))
         if step.cascade is not None and spec.window is None and (a, b) == (0, R):
-            o, lse = attend_cascade(self._attention, q, *kv, qo_indptr, view.q_positions,
-                                    step.cascade, spec, **self.pool.scales(li))
+            o, lse = attend_cascade(self._attention, self._merge, q, *kv, qo_indptr,
+                                    view.q_positions, step.cascade, spec, **self.pool.scales(li))
         else:
             o, lse = self._attention(q, *kv, qo_indptr, kv_indptr, idx.kv_indices,
                                      view.q_positions, idx.kv_start_pos, spec,

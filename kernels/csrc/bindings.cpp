@@ -71,4 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope,
         "rope(x[B, H, T, D], pos[B, T] int64, inv_freq[D/2], scale, half) -> x * cos + cat(-x[..., half:], x[..., :half]) * sin "
         "(cos/sin of cat(f, f) times scale, f = pos * inv_freq); float32 result laid out [B, T, H, D]", nogil);
+  m.def("merge_rows", &merge_rows,
+        "merge_rows(o[T, H, D], lse[T, H], rows[n] int64, og[n, H, D], lg[n, H]), float32: "
+        "rows `rows` of (o, lse) merged in place with (og, lg) by log-sum-exp", nogil);
 }

@@ -51,3 +51,5 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& a, const at::Tensor& b);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& inv_freq,
                 double scale, int64_t half);
+void merge_rows(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& rows,
+                const at::Tensor& og, const at::Tensor& lg);

@@ -14,11 +14,17 @@
 //   embedding, x * cos + cat(-x[..., half:], x[..., :half]) * sin with cos/sin =
 //   cos/sin(cat(f, f)) * scale, f = pos * inv_freq (the kernel's case: half = D/2).
 //
+// And one of a memory node's (lamina/kernels/dispatch.py merge_rows): two partial attention
+// states of the same queries merged by log-sum-exp in place (a cascade's prefix and suffix),
+// as lamina/kernels/reference.py merge_rows_ref computes them.
+//
 // The sums of squares add in another order than torch's reduction, and exp (Cephes'
 // polynomial, ~1 ulp) and cos/sin (the C library's) may differ from torch's vectorised ones in
 // the last bit: results differ from the chain by float rounding only.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -169,4 +175,44 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& in
     }
   }
   return y;
+}
+
+// merge_rows(o[T, H, D], lse[T, H], rows[n] int64, og[n, H, D], lg[n, H]), all float32 and
+// contiguous: row rows[i] of (o, lse) becomes the merge of itself with (og[i], lg[i]):
+// m = max(l, lg), w = exp(l - m), wg = exp(lg - m), o = (o w + og wg) / (w + wg),
+// lse = m + log(w + wg); a row where both are -inf (no key seen) stays o = 0, lse = -inf.
+void merge_rows(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& rows,
+                const at::Tensor& og, const at::Tensor& lg) {
+  TORCH_CHECK(o.dim() == 3 && og.dim() == 3 && lse.dim() == 2 && lg.dim() == 2 &&
+                  rows.dim() == 1,
+              "merge_rows: o[T, H, D], lse[T, H], rows[n], og[n, H, D], lg[n, H] expected");
+  const int64_t T = o.size(0), H = o.size(1), D = o.size(2), n = rows.size(0);
+  TORCH_CHECK(og.size(0) == n && og.size(1) == H && og.size(2) == D && lse.size(0) == T &&
+                  lse.size(1) == H && lg.size(0) == n && lg.size(1) == H,
+              "merge_rows: shapes do not agree");
+  for (const at::Tensor* t : {&o, &lse, &og, &lg})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+                "merge_rows: contiguous float32 CPU tensors expected");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.device().is_cpu(),
+              "merge_rows: rows must be contiguous int64 on the CPU");
+  const int64_t* r = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < T, "merge_rows: row ", r[i], " out of range [0, ", T, ")");
+  float* po = o.data_ptr<float>();
+  float* pl = lse.data_ptr<float>();
+  const float* pg = og.const_data_ptr<float>();
+  const float* plg = lg.const_data_ptr<float>();
+  at::parallel_for(0, n * H, 16384 / std::max<int64_t>(D, 1) + 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t i = j / H, h = j % H;
+      float* x = po + (r[i] * H + h) * D;
+      const float* y = pg + j * D;
+      const float l1 = pl[r[i] * H + h], l2 = plg[j];
+      const float m = std::max(l1, l2);
+      if (m == -INFINITY) continue;
+      const float w1 = std::exp(l1 - m), w2 = std::exp(l2 - m), total = w1 + w2;
+      for (int64_t d = 0; d < D; ++d) x[d] = (x[d] * w1 + y[d] * w2) / total;
+      pl[r[i] * H + h] = m + std::log(total);
+    }
+  });
 }

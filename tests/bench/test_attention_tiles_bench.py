@@ -25,6 +25,6 @@ def test_one_round_writes_a_row_per_shape(tmp_path):
         torch.set_num_threads(threads)
     rows = json.loads((tmp_path / "attention_tiles_cpu.json").read_text())["rows"]
     assert [r["shape"] for r in rows] == list(attention_tiles.SHAPES)
-    assert all(r["ms_tile"] > 0 and r["ms_per_query"] > 0 for r in rows)
+    assert all(r["ms_tile"] > 0 and r["ms_per_query"] > 0 and r["gflops_gemm"] > 0 for r in rows)
     assert all(r["max_abs_diff"] < 1e-4 for r in rows)  # the two paths compute the same thing
     assert "| cascade group" in (tmp_path / "attention_tiles_cpu.md").read_text()

@@ -126,3 +126,30 @@ def test_merge_states_all_empty_rows_stay_empty():
     o, lse = merge_states(os, lses)
     assert torch.all(o == 0) and torch.isneginf(lse).all()
     assert not torch.isnan(o).any()
+
+
+def test_merge_rows_cpp_equals_the_reference_in_place():
+    """The C++ merge of a cascade's prefix pass into chosen rows (any order, some rows left
+    alone, a row whose own pass saw no key) equals the reference's, and moves nothing else."""
+    import pytest
+
+    from lamina.kernels import cpp_ext
+    from lamina.kernels.reference import merge_rows_ref
+    ext = cpp_ext.load()
+    if ext is None:
+        pytest.skip("C++ extension unavailable")
+    g = torch.Generator().manual_seed(3)
+    T, H, D = 11, 5, 24
+    o, lse = torch.randn(T, H, D, generator=g), torch.randn(T, H, generator=g) * 4
+    o[7], lse[7] = 0.0, float("-inf")  # saw nothing in its own pass
+    rows = torch.tensor([7, 2, 9, 0, 4])
+    og, lg = torch.randn(len(rows), H, D, generator=g), torch.randn(len(rows), H, generator=g) * 4
+    want_o, want_lse = o.clone(), lse.clone()
+    merge_rows_ref(want_o, want_lse, rows, og, lg)
+    ext.merge_rows(o, lse, rows, og, lg)
+    torch.testing.assert_close(o, want_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(o[[1, 3, 5, 6, 8, 10]], want_o[[1, 3, 5, 6, 8, 10]])
+    assert torch.equal(o[7], og[0]) and torch.equal(lse[7], lg[0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.merge_rows(o, lse, torch.tensor([T]), og[:1], lg[:1])

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.device import HUGE_PAGE, advise_huge_pages, huge_page_zeros, populate
+from lamina.device import (HUGE_PAGE, advise_huge_pages, huge_page_zeros, populate,
+                           wait_populated)
 from lamina.memnode.kv_pool import KVPool, available_memory
 
 
@@ -113,6 +114,13 @@ def test_huge_page_zeros_is_zeroed_writable_and_huge_page_eligible(dtype, commit
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this host has no transparent huge pages")
     assert _thp_eligible(t.data_ptr()) is not False  # advised (or THP always on)
+
+
+def test_wait_populated_returns_once_background_commits_are_done():
+    t = huge_page_zeros((3 * HUGE_PAGE // 4,), torch.float32, "background")
+    assert wait_populated(timeout=60)
+    assert not any(th.name == "lamina-populate" and th.is_alive() for th in threading.enumerate())
+    assert not t.any()
 
 
 def test_advice_can_come_after_the_writes():

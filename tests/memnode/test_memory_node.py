@@ -386,7 +386,7 @@ def test_requests_on_one_cached_prefix_read_it_once_and_match_oracle(parts, atte
     monkeypatch.setattr(cascade_mod, "MIN_SAVED", 0)
 
     def counting(*args, **kw):
-        calls.append(args[6].rows.numel())  # the grouped query rows
+        calls.append(args[7].rows.numel())  # the grouped query rows
         return node_mod.attend_cascade.__wrapped__(*args, **kw)
     counting.__wrapped__ = node_mod.attend_cascade
     monkeypatch.setattr(node_mod, "attend_cascade", counting)
