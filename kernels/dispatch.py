@@ -133,7 +133,6 @@ def merge_states(os: torch.Tensor | list[torch.Tensor],
     return merge_states_ref(os, lses)
 
 
-
 def resolve_merge(device: torch.device) -> Callable[..., None]:
     """The in-place row merge for tensors on ``device`` (``merge_rows(o[T,H,D], lse[T,H],
     rows[n], og[n,H,D], lg[n,H])``, :func:`~lamina.kernels.reference.merge_rows_ref`'s
@@ -146,7 +145,7 @@ def resolve_merge(device: torch.device) -> Callable[..., None]:
 
     def merge_rows(o, lse, rows, og, lg) -> None:
         if o.dtype == og.dtype == torch.float32:
-            kernel(o, lse, rows, og.contiguous(), lg.contiguous())
+            kernel(o, lse, rows.to(torch.int64), og.contiguous(), lg.contiguous())
         else:
             merge_rows_ref(o, lse, rows, og, lg)
     return merge_rows
