@@ -17,7 +17,12 @@ new tokens became visible to the caller:
   into batches of at most ``n_batch`` (2048) tokens across sequences, in order, and each
   sequence's first token is taken (argmax of its logits) after the decode that holds its last
   prompt token; then every step decodes one token of every sequence in one ``llama_decode``;
-  a token's time is when its argmax is known;
+  a token's time is when its argmax is known. The model loads without llama.cpp's extra
+  buffer types (``use_extra_bufts = False``): on a CPU with AMX its default repacks Q4_1 and
+  Q8_0 weights for its AMX kernel, which crashed (SIGSEGV in ``ggml_backend_amx_mul_mat``, at
+  the first ``llama_decode``) on the 2-core Xeon with AMX in llama-cpp-python 0.3.36; without
+  them it runs its AVX-512 kernels, as on any CPU without AMX (float32 weights are not repacked
+  either way);
 * vLLM: ``LLM.llm_engine.add_request`` for every prompt, then ``llm_engine.step()`` until done
   (what ``LLM.generate`` does inside); a token's time is when the step that returns it returns.
 
@@ -111,7 +116,9 @@ def child_llamacpp(settings: dict):
     state: dict = {"quiet": L.llama_log_callback(lambda *a: None)}  # kept alive: C calls it
     L.llama_log_set(state["quiet"], ctypes.c_void_p())
     L.llama_backend_init()
-    model = L.llama_model_load_from_file(settings["model"].encode(), L.llama_model_default_params())
+    params = L.llama_model_default_params()
+    params.use_extra_bufts = False  # no AMX repacking: it crashes here (module docstring)
+    model = L.llama_model_load_from_file(settings["model"].encode(), params)
     if not model:
         raise RuntimeError(f"llama.cpp cannot load {settings['model']}")
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))

@@ -97,13 +97,16 @@ def run_attention(args) -> dict:
     ``torch`` threads = ``--threads``): ``--requests`` requests at ``--prefix + --suffix``
     positions, each with its own slots (``uncached``) or sharing the prefix's slots as the
     prefix cache leaves them (``cached``: the step's cascade reads the prefix once; ``shared,
-    per request``: the same slots with the cascade off). Times PREPARE plus one ATTEND per
-    layer of a decode step (the step's q, k, v made before the clock starts), ``--reps`` steps
-    per layout, layouts interleaved, once both nodes' pools are committed."""
+    per request``: the same slots with the cascade off). Each node attends as an in-process
+    instance's does: through its native plane where it has one. Times PREPARE plus one ATTEND
+    per layer of a decode step (the step's q, k, v made before the clock starts), ``--reps``
+    steps per layout, layouts interleaved, once both nodes' pools are committed."""
     import torch
 
     from lamina.device import wait_populated
     from lamina.memnode import MemoryNode
+    from lamina.memnode import cascade
+    from lamina.memnode.native import plane_for
     from lamina.types import AttendMsg, AttentionSpec, KVChunk, PrepareMsg, ShardWork
 
     torch.set_num_threads(args.threads)
@@ -119,6 +122,7 @@ def run_attention(args) -> dict:
     nodes = {}
     for layout in ("uncached", "cached"):
         node = MemoryNode(specs, R * (P + S + args.reps + 1) + P, dtype=torch.float32)
+        node.plane = plane_for(node)
         if layout == "cached":
             node.import_kv(KVChunk(-1, 0, kv(P), kv(P)))
         for r in range(R):
@@ -139,15 +143,19 @@ def run_attention(args) -> dict:
             msgs = [AttendMsg(step, spec.layer, torch.randn(R, H, D, generator=g),
                               torch.randn(R, HKV, D, generator=g),
                               torch.randn(R, HKV, D, generator=g)) for spec in specs]
+            saved = cascade.MIN_SAVED
+            if name == "shared, per request":  # no group is worth a cascade: none is planned
+                cascade.MIN_SAVED = float("inf")
             t0 = time.perf_counter()
             node.prepare(PrepareMsg(step, [ShardWork(r, pos, 1, pos, 1) for r in range(R)]))
-            if name == "shared, per request":
-                node._steps[step].cascade = None
+            cascade.MIN_SAVED = saved
             for msg in msgs:
                 node.attend(msg)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) * 1000 for name, t in times.items()} | {
-        "spread_ms": {name: [min(t) * 1000, max(t) * 1000] for name, t in times.items()}}
+        "spread_ms": {name: [min(t) * 1000, max(t) * 1000] for name, t in times.items()},
+        "plane_served": {layout: n.plane.served if n.plane is not None else None
+                         for layout, n in nodes.items()}}
 
 
 def _free_port() -> int:
@@ -316,7 +324,9 @@ def write(args, s: dict) -> None:
                          f"{a['uncached'] / a[name]:.2f}x less |")
         lines += ["", "uncached: each request its own slots; shared, per request: the prefix's "
                   "slots shared, the cascade off; cached: shared and read once per step "
-                  f"(cascade). {args.reps} steps per layout, interleaved.", ""]
+                  f"(cascade). {args.reps} steps per layout, interleaved. ATTENDs served by "
+                  "the nodes' native planes (None: no plane): "
+                  + ", ".join(f"{k} {v}" for k, v in a.get("plane_served", {}).items()) + ".", ""]
     if "shared" in s:
         sh, u, c = s["shared"], s["shared"]["uncached"], s["shared"]["cached"]
         lines += [f"## {args.requests} requests x ({args.prefix} shared + {args.suffix} own "

@@ -11,9 +11,10 @@ key once instead of once per request. The two partial results of a grouped query
 exactly by their log-sum-exp (as shards of one request do across nodes).
 
 Only layers without a sliding window, and ATTENDs of a whole step (not a mini-batch), use it
-(the others read the plain indices); a step with a cascade is not registered with the native
-plane (:mod:`lamina.memnode.native`), so the Python path serves it. Contract of the merged
-result: the kernel's (o in q's dtype, lse float32) up to float rounding.
+(the others read the plain indices). The native plane (:mod:`lamina.memnode.native`) runs the
+same two kernel calls and merge for float32 queries (its replies are this path's, byte for
+byte); other query dtypes it leaves to this one. Contract of the merged result: the kernel's
+(o in q's dtype, lse float32) up to float rounding.
 """
 from __future__ import annotations
 

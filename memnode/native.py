@@ -79,6 +79,7 @@ class NativePlane:
         k, v = pool.fmt.k.view(pool.k_cache), pool.fmt.v.view(pool.v_cache)
         self._plane = module.AttendPlane(k, v, pool.k_scale, pool.v_scale, specs,
                                          kernels.paged_attention_fn, kernels.kv_store_fn,
+                                         kernels.merge_rows_fn,
                                          list(DEFAULT_LIMITS.as_tuple()),
                                          int(MsgKind.ATTEND), int(MsgKind.RESULT))
         self.lock = NativeLock(self._plane)
@@ -91,6 +92,12 @@ class NativePlane:
         self._plane.add_step(step.step_id, len(step.works), torch.from_numpy(step.q_indptr),
                              torch.from_numpy(step.a_indptr), step.q_positions, step.append_slots,
                              torch.from_numpy(step.progress), kv)
+        if (c := step.cascade) is not None:
+            s, p = c.suffix, c.prefix
+            self._plane.add_cascade(step.step_id, torch.from_numpy(s.kv_indptr), s.kv_indices,
+                                    s.kv_start_pos, c.rows, torch.from_numpy(c.qo_indptr),
+                                    c.q_positions, torch.from_numpy(p.kv_indptr), p.kv_indices,
+                                    p.kv_start_pos)
 
     def drop_step(self, step_id: int) -> None:
         self._plane.drop_step(step_id)

@@ -161,7 +161,7 @@ class MemoryNode(KVMoves):
             sh.pending, sh.step = w.num_append, msg.step_id
             step.shards.append(sh)
         self._steps[msg.step_id] = step
-        if self.plane is not None and step.cascade is None:  # a cascade is Python's to serve
+        if self.plane is not None:
             self.plane.add_step(step)
 
     def _check_work(self, w: ShardWork, seen: set[int]) -> Shard | None:

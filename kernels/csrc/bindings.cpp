@@ -30,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("paged_attention_fn") = py::capsule(reinterpret_cast<void*>(&paged_attention),
                                              "lamina.paged_attention/2");
   m.attr("kv_store_fn") = py::capsule(reinterpret_cast<void*>(&kv_store), "lamina.kv_store");
+  m.attr("merge_rows_fn") = py::capsule(reinterpret_cast<void*>(&merge_rows), "lamina.merge_rows");
   m.def("read_kv_rows", &read_kv_rows,
         "read_kv_rows(k_pool, v_pool, kv_indices) -> a fold of the rows: the KV read alone "
         "(the kernel bench's ceiling)", nogil);

@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -50,6 +51,8 @@ using AttentionFn = std::tuple<at::Tensor, at::Tensor> (*)(
     const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&);
 using StoreFn = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&);
+using MergeFn = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&);
 
 // serve() results
 constexpr int64_t kIdle = 0;     // nothing arrived within the spin (or the time budget passed)
@@ -66,10 +69,17 @@ struct KeyIndex {  // memnode/plan.py KernelIndex
   at::Tensor indptr, indices, start_pos;
 };
 
+struct Cascade {  // memnode/cascade.py Cascade: the second pass of a step over shared prefixes
+  KeyIndex suffix;  // every work's own keys (a grouped one's from its prefix's end)
+  at::Tensor rows, qo_indptr, q_positions;  // the groups' query rows, as kernel requests
+  KeyIndex prefix;  // each group's shared keys
+};
+
 struct Step {  // memnode/plan.py StepState, what ATTEND needs of it
   int64_t works;
   at::Tensor q_indptr, a_indptr, q_positions, append_slots, progress;
   std::unordered_map<int64_t, KeyIndex> kv;  // window (0: none) -> key indices
+  std::optional<Cascade> cascade;            // layers without a window, whole-step ATTENDs
 };
 
 struct Peer {  // the ring this node writes a replica's RESULTs into
@@ -127,22 +137,25 @@ class AttendPlane {
   // k_cache / v_cache: the pool's [L, S, Hkv, D] CPU tensors in the kernel's dtypes (KVPool.k);
   // k_scale / v_scale: an 8-bit part's [L, S, Hkv] float32 scales (else None); specs: per pool
   // layer (layer, heads, kv_heads, dim, scale, window or 0, softcap or 0); kernel / store: the
-  // C++ kernels' capsules (lamina.kernels.cpp_ext paged_attention_fn, kv_store_fn); limits: the
-  // receive side's WireLimits tuple; attend / result: the wire codes of ATTEND and RESULT.
+  // C++ kernels' capsules (lamina.kernels.cpp_ext paged_attention_fn, kv_store_fn, merge_rows_fn);
+  // limits: the receive side's WireLimits tuple; attend / result: the wire codes of ATTEND and
+  // RESULT.
   AttendPlane(at::Tensor k_cache, at::Tensor v_cache, c10::optional<at::Tensor> k_scale,
               c10::optional<at::Tensor> v_scale,
               const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, double, int64_t,
                                            double>>& specs,
-              py::capsule kernel, py::capsule store, const std::vector<int64_t>& limits,
-              int64_t attend, int64_t result)
+              py::capsule kernel, py::capsule store, py::capsule merge,
+              const std::vector<int64_t>& limits, int64_t attend, int64_t result)
       : k_(std::move(k_cache)), v_(std::move(v_cache)),
         ks_(k_scale.value_or(at::Tensor())), vs_(v_scale.value_or(at::Tensor())), lim_(limits),
         attend_(attend), result_(result) {
     TORCH_CHECK(std::string(kernel.name()) == "lamina.paged_attention/2" &&
-                    std::string(store.name()) == "lamina.kv_store",
+                    std::string(store.name()) == "lamina.kv_store" &&
+                    std::string(merge.name()) == "lamina.merge_rows",
                 "not the kernels' capsules");
     kernel_ = reinterpret_cast<AttentionFn>(kernel.get_pointer());
     store_ = reinterpret_cast<StoreFn>(store.get_pointer());
+    merge_ = reinterpret_cast<MergeFn>(merge.get_pointer());
     TORCH_CHECK(k_.device().is_cpu() && k_.dim() == 4 && k_.sizes() == v_.sizes(),
                 "a CPU pool [L, S, Hkv, D]");
     for (const auto& s : specs) {
@@ -160,9 +173,21 @@ class AttendPlane {
     TORCH_CHECK(progress.dtype() == at::kLong && progress.is_contiguous() &&
                     progress.numel() == static_cast<int64_t>(specs_.size()) + 1,
                 "progress: int64 [L + 1]");
-    Step s{works, q_indptr, a_indptr, q_positions, append_slots, progress, {}};
+    Step s{works, q_indptr, a_indptr, q_positions, append_slots, progress, {}, std::nullopt};
     for (const auto& [window, indptr, indices, start] : kv) s.kv[window] = {indptr, indices, start};
     steps_[id] = std::move(s);
+  }
+
+  // The cascade of step id (after add_step): suffix and prefix as (indptr, indices, start_pos),
+  // the groups' query rows, qo_indptr and q_positions (memnode/cascade.py Cascade).
+  void add_cascade(int64_t id, at::Tensor s_indptr, at::Tensor s_indices, at::Tensor s_start,
+                   at::Tensor rows, at::Tensor qo_indptr, at::Tensor q_positions,
+                   at::Tensor p_indptr, at::Tensor p_indices, at::Tensor p_start) {
+    auto it = steps_.find(id);
+    TORCH_CHECK(it != steps_.end(), "add_cascade: step ", id, " is not registered");
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows: int64");
+    it->second.cascade = Cascade{{s_indptr, s_indices, s_start}, rows, qo_indptr, q_positions,
+                                 {p_indptr, p_indices, p_start}};
   }
 
   void drop_step(int64_t id) { steps_.erase(id); }
@@ -404,6 +429,10 @@ class AttendPlane {
     auto key = step.kv.find(window);
     if (key == step.kv.end()) return false;
     const KeyIndex& ki = key->second;
+    // a cascade (as MemoryNode.attend runs it: whole-step ATTENDs on layers without a window);
+    // the merge here is float32's, so other query dtypes are Python's
+    const Cascade* cas = whole && window == 0 && step.cascade ? &*step.cascade : nullptr;
+    if (cas != nullptr && q.scalar_type() != at::kFloat) return false;
     try {
       c10::optional<at::Tensor> ks, vs;  // this layer's scales (8-bit parts)
       if (ks_.defined()) ks = ks_[li];
@@ -421,6 +450,17 @@ class AttendPlane {
         kv_indices = ki.indices.slice(0, kp[a], kp[b]);
         q_pos = step.q_positions.slice(0, qa, qb);
         kv_start = ki.start_pos.slice(0, a, b);
+      }
+      if (cas != nullptr) {  // memnode/cascade.py attend_cascade
+        const KeyIndex& sx = cas->suffix;
+        const KeyIndex& px = cas->prefix;
+        std::tie(*o, *lse) = kernel_(q, k_[li], v_[li], q_indptr, sx.indptr, sx.indices, q_pos,
+                                     sx.start_pos, sp.scale, 0, sp.softcap, ks, vs);
+        const auto [og, lg] = kernel_(q.index_select(0, cas->rows), k_[li], v_[li],
+                                      cas->qo_indptr, px.indptr, px.indices, cas->q_positions,
+                                      px.start_pos, sp.scale, 0, sp.softcap, ks, vs);
+        merge_(*o, *lse, cas->rows, og, lg);
+        return true;
       }
       std::tie(*o, *lse) = kernel_(q, k_[li], v_[li], q_indptr, kv_indptr, kv_indices, q_pos,
                                    kv_start, sp.scale, window, sp.softcap, ks, vs);
@@ -503,6 +543,7 @@ class AttendPlane {
   int64_t attend_, result_;
   AttentionFn kernel_ = nullptr;
   StoreFn store_ = nullptr;
+  MergeFn merge_ = nullptr;
   std::vector<LayerSpec> specs_;
   std::unordered_map<int64_t, int64_t> layer_index_;  // spec.layer -> pool layer
   std::unordered_map<int64_t, Step> steps_;
@@ -522,8 +563,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, double,
                                                  int64_t, double>>&,
-                    py::capsule, py::capsule, const std::vector<int64_t>&, int64_t, int64_t>())
+                    py::capsule, py::capsule, py::capsule, const std::vector<int64_t>&, int64_t,
+                    int64_t>())
       .def("add_step", &AttendPlane::add_step)
+      .def("add_cascade", &AttendPlane::add_cascade)
       .def("drop_step", &AttendPlane::drop_step)
       .def("finished", &AttendPlane::finished)
       .def("add_peer", &AttendPlane::add_peer)

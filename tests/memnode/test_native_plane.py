@@ -17,7 +17,7 @@ from lamina.memnode.server import handle
 from lamina.transport import codec
 from lamina.transport.shm import shm_pair
 from lamina.transport.wire import Message, MsgKind, WireError
-from lamina.types import AttendMsg, AttentionSpec, PrepareMsg, ShardWork
+from lamina.types import AttendMsg, AttentionSpec, KVChunk, PrepareMsg, ShardWork
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 SPECS = [AttentionSpec(layer=10 + i, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
@@ -262,3 +262,56 @@ def test_the_plane_setting_selects_the_python_path(kernels):
     kernels(KernelConfig(attention="torch", plane="native"))
     with pytest.raises(RuntimeError, match="native plane is unavailable: attention runs"):
         plane_for(_node(torch.float32))
+
+
+@pytest.mark.parametrize("qdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool", [torch.float32, "int8"])
+def test_a_cascade_is_served_by_the_plane_as_python_serves_it(native_available, monkeypatch,
+                                                               pool, qdt):
+    """Requests on one shared prefix (prefix caching's SHARE) make a step with a cascade: with
+    float32 queries the plane runs it (both kernel calls and the merge) and its results are the
+    Python path's byte for byte; other query dtypes it leaves to Python. Mini-batched ATTENDs
+    and windowed layers read the plain indices, in the plane as in Python."""
+    import lamina.memnode.cascade as cascade_mod
+    monkeypatch.setattr(cascade_mod, "MIN_SHARED", 4)  # this test's prefix is short
+    monkeypatch.setattr(cascade_mod, "MIN_SAVED", 0)
+    g = torch.Generator().manual_seed(1)
+    L, P = len(SPECS), 12
+
+    def kv(n: int) -> torch.Tensor:
+        return torch.randn(L, n, KV_HEADS, DIM, generator=g)
+    prefix, own = (kv(P), kv(P)), {r: (kv(n), kv(n)) for r, n in ((1, 3), (2, 5), (3, 1))}
+    py, nat = _node(pool), _node(pool)
+    nat.plane = plane_for(nat)
+    for node in (py, nat):
+        node.import_kv(KVChunk(-1, 0, *prefix))
+        for r, (k, v) in own.items():
+            node.share(r, [(-1, 0, P)])
+            node.import_kv(KVChunk(r, P, k, v))
+    ends = {r: P + k.shape[1] for r, (k, _) in own.items()}
+    python_only = sent = 0
+    for step_id, parts in enumerate(((0, 3), (0, 1, 3), (0, 3))):
+        works = [ShardWork(r, ends[r] + step_id, 1, ends[r] + step_id, 1) for r in own]
+        for node in (py, nat):
+            node.prepare(PrepareMsg(step_id, works))
+        assert (py._steps[step_id].cascade is None) == (nat._steps[step_id].cascade is None) \
+            is False
+        for spec in SPECS:
+            for lo, hi in zip(parts[:-1], parts[1:]):
+                whole = (lo, hi) == (0, len(works))
+                msg = AttendMsg(step_id, spec.layer,
+                                torch.randn(hi - lo, HEADS, DIM, generator=g).to(qdt),
+                                torch.randn(hi - lo, KV_HEADS, DIM, generator=g),
+                                torch.randn(hi - lo, KV_HEADS, DIM, generator=g),
+                                works=None if whole else (lo, hi))
+                before = nat.plane.served
+                want, got = py.attend(msg), nat.attend(msg)
+                sent += 1
+                python_only += nat.plane.served == before
+                assert nat.plane.served - before == int(
+                    qdt == torch.float32 or not whole or spec.window is not None)
+                for x, y in ((want.o, got.o), (want.lse, got.lse)):
+                    assert x.dtype == y.dtype and x.view(torch.uint8).equal(y.view(torch.uint8))
+        assert nat.in_flight == py.in_flight == []
+        _equal_state(py, nat)
+    assert sent > python_only
