@@ -147,8 +147,10 @@ def run_attention(args) -> dict:
             if name == "shared, per request":  # no group is worth a cascade: none is planned
                 cascade.MIN_SAVED = float("inf")
             t0 = time.perf_counter()
-            node.prepare(PrepareMsg(step, [ShardWork(r, pos, 1, pos, 1) for r in range(R)]))
-            cascade.MIN_SAVED = saved
+            try:
+                node.prepare(PrepareMsg(step, [ShardWork(r, pos, 1, pos, 1) for r in range(R)]))
+            finally:
+                cascade.MIN_SAVED = saved
             for msg in msgs:
                 node.attend(msg)
             times[name].append(time.perf_counter() - t0)
