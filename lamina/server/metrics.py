@@ -8,8 +8,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 class MetricsExporter:
     """One app's Prometheus registry. It folds one :class:`EngineMetrics` into it (counters
-    advance by what the engine counted since the last render); each app owns its exporter, so
-    two engines in one process never share what was seen."""
+    advance by what the engine counted since the last render; an engine count that went down,
+    reset by a restart or put back by a test, is counted on from its new value, never
+    subtracted); each app owns its exporter, so two engines in one process never share what
+    was seen."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -46,10 +48,10 @@ class MetricsExporter:
         for i, (used, cap) in enumerate(zip(m.kv_used_slots, m.kv_capacity_slots)):
             self.kv_used.labels(node=str(i)).set(used)
             self.kv_cap.labels(node=str(i)).set(cap)
-        self.gen.inc(m.generated_tokens - self._seen["gen"])
-        self.prompt.inc(m.prompt_tokens - self._seen["prompt"])
+        self.gen.inc(max(0, m.generated_tokens - self._seen["gen"]))
+        self.prompt.inc(max(0, m.prompt_tokens - self._seen["prompt"]))
         for kind, n in m.restarts.items():
-            self.restarts.labels(kind=kind).inc(n - self._restarts_seen.get(kind, 0))
+            self.restarts.labels(kind=kind).inc(max(0, n - self._restarts_seen.get(kind, 0)))
             self._restarts_seen[kind] = n
         # an instance restarted whole starts its cache's counts again: count on from there
         self.prefix_queries.inc(max(0, m.prefix_queried_tokens - self._seen["pq"]))
@@ -58,7 +60,7 @@ class MetricsExporter:
         self._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens,
                           pq=m.prefix_queried_tokens, ph=m.prefix_hit_tokens)
         for reason, n in list(m.finished.items()):
-            self.finished.labels(reason=reason).inc(n - self._finished_seen.get(reason, 0))
+            self.finished.labels(reason=reason).inc(max(0, n - self._finished_seen.get(reason, 0)))
             self._finished_seen[reason] = n
         for samples, hist in ((m.ttft_s, self.ttft), (m.tbt_s, self.tbt)):
             while samples:

@@ -258,6 +258,23 @@ def test_a_second_turn_reports_its_cached_prompt_tokens_and_metrics_count_them(c
     assert hits and hits[0] >= len(first) and "lamina_prefix_cache_slots" in text
 
 
+def test_a_count_that_goes_down_is_counted_on_from_there():
+    """An engine count that falls (a test puts a counter back; a rebuilt engine starts again)
+    never makes /metrics fail: the Prometheus counter holds, then advances from the new value
+    (the race that failed the next test's /metrics when a render came before the refresh)."""
+    from lamina.server.async_engine import EngineMetrics
+    from lamina.server.metrics import MetricsExporter
+
+    e = MetricsExporter()
+    e.render(EngineMetrics(restarts={"replica": 3}, generated_tokens=9, finished={"stop": 2}))
+    e.render(EngineMetrics(restarts={"replica": 1}, generated_tokens=4, finished={"stop": 1}))
+    text = e.render(EngineMetrics(restarts={"replica": 2}, generated_tokens=6,
+                                  finished={"stop": 2}))
+    assert b'lamina_restarts_total{kind="replica"} 4.0' in text
+    assert b"lamina_generated_tokens_total 11.0" in text
+    assert b'lamina_requests_finished_total{reason="stop"} 3.0' in text
+
+
 def test_each_metrics_exporter_counts_its_own_engine():
     """Exporters are per app: one that saw restarts never offsets another engine's counts (a
     process-wide table keyed by id() did, once a collected engine's id was reused)."""
