@@ -204,6 +204,7 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype, commit: str = "now
     if commit == "background":
         t = threading.Thread(target=populate, args=(out, True), daemon=True,
                              name="lamina-populate")
+        _populating[:] = [p for p in _populating if p.is_alive()]  # no dead threads kept
         _populating.append(t)
         t.start()
     return out  # an anonymous mapping reads as zeros

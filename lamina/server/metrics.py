@@ -6,6 +6,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def _count_on(counter, now: int, seen: int) -> None:
+    """Advance a Prometheus counter by what an engine count gained since it was last seen; a
+    count that went down (reset) is counted on from its new value, never subtracted."""
+    counter.inc(max(0, now - seen))
+
+
 class MetricsExporter:
     """One app's Prometheus registry. It folds one :class:`EngineMetrics` into it (counters
     advance by what the engine counted since the last render; an engine count that went down,
@@ -48,19 +54,19 @@ class MetricsExporter:
         for i, (used, cap) in enumerate(zip(m.kv_used_slots, m.kv_capacity_slots)):
             self.kv_used.labels(node=str(i)).set(used)
             self.kv_cap.labels(node=str(i)).set(cap)
-        self.gen.inc(max(0, m.generated_tokens - self._seen["gen"]))
-        self.prompt.inc(max(0, m.prompt_tokens - self._seen["prompt"]))
+        _count_on(self.gen, m.generated_tokens, self._seen["gen"])
+        _count_on(self.prompt, m.prompt_tokens, self._seen["prompt"])
         for kind, n in m.restarts.items():
-            self.restarts.labels(kind=kind).inc(max(0, n - self._restarts_seen.get(kind, 0)))
+            _count_on(self.restarts.labels(kind=kind), n, self._restarts_seen.get(kind, 0))
             self._restarts_seen[kind] = n
         # an instance restarted whole starts its cache's counts again: count on from there
-        self.prefix_queries.inc(max(0, m.prefix_queried_tokens - self._seen["pq"]))
-        self.prefix_hits.inc(max(0, m.prefix_hit_tokens - self._seen["ph"]))
+        _count_on(self.prefix_queries, m.prefix_queried_tokens, self._seen["pq"])
+        _count_on(self.prefix_hits, m.prefix_hit_tokens, self._seen["ph"])
         self.prefix_slots.set(m.prefix_cached_slots)
         self._seen.update(gen=m.generated_tokens, prompt=m.prompt_tokens,
                           pq=m.prefix_queried_tokens, ph=m.prefix_hit_tokens)
         for reason, n in list(m.finished.items()):
-            self.finished.labels(reason=reason).inc(max(0, n - self._finished_seen.get(reason, 0)))
+            _count_on(self.finished.labels(reason=reason), n, self._finished_seen.get(reason, 0))
             self._finished_seen[reason] = n
         for samples, hist in ((m.ttft_s, self.ttft), (m.tbt_s, self.tbt)):
             while samples:
