@@ -228,6 +228,9 @@ void configure_tiles(int mr) {  // C0, C1, A: mr rows of 64 bytes; B0, B1: 16 ro
     c.rows[t] = static_cast<uint8_t>(t < 3 ? mr : kAmxPairs);
     c.colsb[t] = 64;
   }
+  // GCC 12 does not count the intrinsic as reading c: where it inlined this pattern elsewhere, the
+  // stores above were dropped and LDTILECFG faulted on a zero config
+  asm volatile("" : : "m"(c) : "memory");
   _tile_loadconfig(&c);
 }
 
