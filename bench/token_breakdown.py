@@ -50,30 +50,28 @@ from bandwidth import copy_bandwidth, read_bandwidth  # noqa: E402
 from linear import SHAPES, _time  # noqa: E402
 from lamina.costmodel.calibration import cpu_name  # noqa: E402
 from lamina.device import wait_populated  # noqa: E402
+from lamina.kernels import cpp_ext  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PARTS = ("slices", "attention", "hand-off", "engine")
 
 
 def decode_split(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
-    """ms per token of one request decoding ``new_tokens``, whole and by part (the timeline's
-    spans between its second token and its last)."""
+    """ms per token of one request decoding ``new_tokens``, whole and by part, from the
+    timeline's stages (:meth:`Timeline.stage_seconds`) between its second token and its last:
+    the one replica's ``dense`` (slices) and ``transfer`` (hand-off), the one node's
+    ``attention``; the engine is the rest."""
     llm.timeline.spans.clear()
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     stamps = [time.perf_counter_ns() for _ in llm.generate_stream([prompt], params)]
     t0, t1, n = stamps[1], stamps[-1], len(stamps) - 2
-    ms = {"wall": 0.0, "slices": 0.0, "attention": 0.0, "hand-off": 0.0}
-    for sp in llm.timeline.spans:
-        lo, hi = max(sp.start_ns, t0), min(sp.end_ns, t1)
-        if hi <= lo:
-            continue
-        kind = sp.name.split()[0]
-        part = {"slice": "slices", "attend": "attention", "send": "hand-off",
-                "recv": "hand-off"}.get(kind)
-        if part is not None:
-            ms[part] += (hi - lo) / 1e6 / n
+    stages = {row["role"]: row for row in llm.timeline.stage_seconds(t0, t1)}
     llm.timeline.spans.clear()
-    ms["wall"] = (t1 - t0) / 1e6 / n
+    per_token = 1e3 / n
+    ms = {"wall": (t1 - t0) / 1e6 / n,
+          "slices": stages.get("compute 0", {}).get("dense", 0.0) * per_token,
+          "attention": stages.get("memory 0", {}).get("attention", 0.0) * per_token,
+          "hand-off": stages.get("compute 0", {}).get("transfer", 0.0) * per_token}
     ms["engine"] = max(0.0, ms["wall"] - ms["slices"] - ms["attention"] - ms["hand-off"])
     return ms
 
@@ -101,7 +99,6 @@ def main(argv: list[str] | None = None) -> None:
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
     with LLM(args.model, placement="inproc", device=device, trace=os.devnull) as llm:
         threads = torch.get_num_threads()  # the replica's (the process is pinned to its cores)
-        from lamina.kernels import cpp_ext
         ext = cpp_ext.load()
         if ext is None:
             raise SystemExit(f"the C++ kernels are unavailable: {cpp_ext.build_error()}")
