@@ -47,10 +47,9 @@ from lamina import LLM, SamplingParams  # noqa: E402  (before torch: lamina sets
 import torch  # noqa: E402
 
 from bandwidth import copy_bandwidth, read_bandwidth  # noqa: E402
-from linear import SHAPES, _time  # noqa: E402
+from linear import SHAPES, _time, kernels  # noqa: E402
 from lamina.costmodel.calibration import cpu_name  # noqa: E402
 from lamina.device import wait_populated  # noqa: E402
-from lamina.kernels import cpp_ext  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PARTS = ("slices", "attention", "hand-off", "engine")
@@ -99,9 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
     with LLM(args.model, placement="inproc", device=device, trace=os.devnull) as llm:
         threads = torch.get_num_threads()  # the replica's (the process is pinned to its cores)
-        ext = cpp_ext.load()
-        if ext is None:
-            raise SystemExit(f"the C++ kernels are unavailable: {cpp_ext.build_error()}")
+        ext = kernels(threads)
         g = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=g) / k ** 0.5 for n, k in SHAPES]
         packed = [ext.pack_linear_weight(w) for w in weights]

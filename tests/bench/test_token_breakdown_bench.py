@@ -1,7 +1,6 @@
 """bench/token_breakdown.py: a token's wall time is split by the timeline's spans, clipped to the
 decode window, and the parts add up to it; the table has a row per round and the median."""
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
@@ -10,15 +9,26 @@ import token_breakdown  # noqa: E402
 from lamina.timeline import Timeline  # noqa: E402
 
 
+class FakeClock:
+    """perf_counter_ns for the bench: moved by the fake engine, not by the wall clock."""
+
+    def __init__(self) -> None:
+        self.ns = 1_000_000_000
+
+    def perf_counter_ns(self) -> int:
+        return self.ns
+
+
 class FakeLLM:
     """Three tokens 10 ms apart; the timeline holds spans stamped as a real step's, some of
     them (the first token's, the prefill) before the decode window."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         self.timeline = Timeline()
+        self.clock = clock
 
     def generate_stream(self, prompts, params):
-        base = time.perf_counter_ns()
+        base = self.clock.ns
         ms = 1_000_000
         for i in range(3):
             t = base + i * 10 * ms
@@ -26,13 +36,14 @@ class FakeLLM:
             self.timeline.add("compute", 0, "send", t - 4 * ms, t - 3 * ms)
             self.timeline.add("memory", 0, "attend 0", t - 3 * ms, t - 2 * ms)
             self.timeline.add("compute", 0, "recv", t - 2 * ms, t - 1 * ms)
-            while time.perf_counter_ns() < t:
-                pass
+            self.clock.ns = t
             yield object()
 
 
-def test_the_parts_of_a_token_add_up_to_its_wall_time():
-    ms = token_breakdown.decode_split(FakeLLM(), [1, 2, 3], 3)
+def test_the_parts_of_a_token_add_up_to_its_wall_time(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(token_breakdown.time, "perf_counter_ns", clock.perf_counter_ns)
+    ms = token_breakdown.decode_split(FakeLLM(clock), [1, 2, 3], 3)
     parts = sum(ms[p] for p in token_breakdown.PARTS)
     assert abs(parts - ms["wall"]) < 1e-9
     # the window is the second token to the last: one 10 ms token, spans clipped to it
