@@ -11,7 +11,10 @@ measured in the same run:
 * ``lamina-procs-graphs`` (``--cuda-graphs`` too): the processes setup with graphs; its
   ``vs_lamina-graphs`` is processes / in process, both with graphs (issue 41's GPU row);
 * ``lamina-polling`` (``--device-polling``, CUDA + cupy): the processes setup with each next
-  slice pre-launched behind a device flag; its ``vs_lamina-procs`` is that gain.
+  slice pre-launched behind a device flag; its ``vs_lamina-procs`` is that gain;
+* ``lamina-steps`` (``--cuda-graphs --device-polling``): in process, each decode step one CUDA
+  graph of every slice with its sends and waits over the step mailbox (memory nodes off the
+  GPU: ``--memory-device cpu``); its ``vs_lamina-graphs`` is the gain over per-slice graphs.
 
 Each system prefills the same mixed-length prompts (seeded) once; then single decode steps of
 the systems are *interleaved* (round r times one step of each system, in an order that rotates
@@ -42,7 +45,7 @@ from tqdm import tqdm
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("hf", "lamina-inproc", "lamina-procs")
-OPTIONAL = ("lamina-graphs", "lamina-procs-graphs", "lamina-polling")  # a failure is reported
+OPTIONAL = ("lamina-graphs", "lamina-procs-graphs", "lamina-polling", "lamina-steps")  # a failure is reported
 
 
 def _why(e: BaseException) -> str:
@@ -123,7 +126,9 @@ def main() -> None:
     failed: dict[str, str] = {}  # optional system -> why it was dropped
     options = {"lamina-graphs": (args.cuda_graphs, dict(placement="inproc", cuda_graphs=True)),
                "lamina-procs-graphs": (args.cuda_graphs, dict(placement="procs", cuda_graphs=True)),
-               "lamina-polling": (args.device_polling, dict(placement="procs", device_polling="cuda"))}
+               "lamina-polling": (args.device_polling, dict(placement="procs", device_polling="cuda")),
+               "lamina-steps": (args.cuda_graphs and args.device_polling,
+                                dict(placement="inproc", cuda_graphs=True, device_polling="cuda"))}
     for name, (on, extra_kw) in options.items():
         if on:
             try:
@@ -159,7 +164,9 @@ def main() -> None:
     extra = [(name, base, title) for name, base, title in (
         ("lamina-graphs", "lamina-inproc", "graphs / in-process"),
         ("lamina-procs-graphs", "lamina-graphs", "procs / in-process, both with graphs"),
-        ("lamina-polling", "lamina-procs", "polling / processes"))
+        ("lamina-polling", "lamina-procs", "polling / processes"),
+        ("lamina-steps", "lamina-graphs", "whole-step graphs / slice graphs"),
+        ("lamina-steps", "hf", "whole-step graphs / HF"))
         if all((b, name) in by for b in args.batches)]
     lines = ["| batch | HF tok/s | Lamina in-process tok/s | Lamina processes tok/s | "
              "in-process / HF | processes / HF | processes / in-process | "

@@ -88,6 +88,10 @@ def summarise(d: Path) -> dict:
                     if r["system"] == "lamina-procs-graphs"}
             if both:  # issue 41: >= 0.9x
                 out[f"procs_vs_inproc_graphs_{layout}"] = both
+            steps = {r["batch"]: r.get("vs_lamina-graphs") for r in e["rows"]
+                     if r["system"] == "lamina-steps"}
+            if steps:  # issue 41 item 3: whole-step graphs over the mailbox
+                out[f"steps_vs_slice_graphs_{layout}"] = steps
     neo = _read_json(d / "neo_cuda.json")
     if neo:
         out["neo"] = {"offload_vs_alone": neo["offload_vs_alone"], "ratios": neo["ratios"],
@@ -134,6 +138,10 @@ def markdown(s: dict) -> str:
                              f"{r['ms_per_token']:.2f} | {'-' if vs is None else f'{vs:.2f}x'} |")
     lines += ["", f"CUDA graphs: {s['cuda_graphs']}.", "", f"Device-side polling: {s['device_polling']}.", ""]
     for k, v in s.items():
+        if k.startswith("steps_vs_slice_graphs_"):
+            lines += [f"Whole-step graphs / slice graphs, in process "
+                      f"({k.removeprefix('steps_vs_slice_graphs_')}): " + ", ".join(
+                          f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None), ""]
         if k.startswith("procs_vs_inproc_graphs_"):
             lines += [f"Processes / in process, both with graphs "
                       f"({k.removeprefix('procs_vs_inproc_graphs_')}): " + ", ".join(

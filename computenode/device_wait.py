@@ -56,7 +56,43 @@ extern "C" __global__ void lamina_wait_flag(const volatile unsigned long long* f
     __threadfence_system();
 }
 """
+# A whole step in one CUDA graph (lamina.computenode.step_graphs) cannot bake flag values in:
+# it replays the same arguments every step. Its kernels read the step's BASE word (written by
+# the host before the launch) and add the layer's offset.
+_MAILBOX_SOURCE = r"""
+extern "C" __global__ void lamina_signal_word(volatile unsigned long long* word,
+                                              const volatile unsigned long long* base,
+                                              unsigned long long offset) {
+    __threadfence_system();  // the layer's q/k/v (earlier kernels' writes) before the word
+    *word = *base + offset;
+    __threadfence_system();
+}
+
+extern "C" __global__ void lamina_wait_word(const volatile unsigned long long* word,
+                                            const volatile unsigned long long* base,
+                                            unsigned long long offset,
+                                            unsigned long long timeout_ns,
+                                            volatile unsigned long long* missed) {
+    const unsigned long long target = *base + offset;
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    unsigned int backoff = 32;
+    while (*word < target) {
+#if __CUDA_ARCH__ >= 700
+        __nanosleep(backoff);
+        if (backoff < 1024) backoff <<= 1;
+#endif
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > timeout_ns) {
+            *missed = 1;
+            break;
+        }
+    }
+    __threadfence_system();
+}
+"""
 _KERNEL = None
+_MAILBOX_KERNELS: dict[str, object] = {}
 _LOCK = threading.Lock()
 WAIT_TIMEOUT_S = 60.0  # a flag that has not moved in a minute: the peer is gone, free the stream
 PROBE_TIMEOUT_S = 2.0  # the probe's bounded wait (the host moves the flag after ~10 ms)
@@ -132,6 +168,50 @@ def _kernel():
             import cupy
             _KERNEL = cupy.RawKernel(_SOURCE, "lamina_wait_flag")
         return _KERNEL
+
+
+def mailbox_kernel(name: str):
+    """``lamina_signal_word`` or ``lamina_wait_word`` (cupy ``RawKernel``s, compiled once)."""
+    with _LOCK:
+        if name not in _MAILBOX_KERNELS:
+            import cupy
+            _MAILBOX_KERNELS[name] = cupy.RawKernel(_MAILBOX_SOURCE, name)
+        return _MAILBOX_KERNELS[name]
+
+
+def launch_on(stream, kernel, args: tuple) -> None:
+    """One thread of ``kernel(*args)`` on the torch CUDA ``stream`` (captured when the stream
+    is capturing a graph); pointer arguments as Python ints."""
+    import cupy
+
+    with cupy.cuda.Device(stream.device.index or 0), _external(stream.cuda_stream):
+        kernel((1,), (1,), tuple(cupy.uint64(a) for a in args))
+
+
+def mapped_alias(buffer, device: int = 0):
+    """``buffer`` (a CPU uint8 tensor over page-aligned host memory) registered with CUDA as
+    mapped memory, and a CUDA uint8 tensor aliasing it (no copy: kernels reading or writing it
+    reach the host's bytes). Returns ``(alias, unregister)``; call ``unregister`` once no
+    device work uses the alias any more. Raises with :func:`unavailable`'s text where the
+    device cannot map host memory."""
+    why = _capability(device)
+    if why is not None:
+        raise RuntimeError(why)
+    import cupy
+    import torch
+
+    rt = cupy.cuda.runtime
+    ptr, n = buffer.data_ptr(), buffer.numel()
+    with cupy.cuda.Device(device):
+        rt.hostRegister(ptr, n, 0x01 | 0x02)  # cudaHostRegisterPortable | cudaHostRegisterMapped
+        mem = cupy.cuda.UnownedMemory(_device_pointer(rt, ptr), n, buffer, device)
+        arr = cupy.ndarray((n,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    alias = torch.as_tensor(arr, device=f"cuda:{device}")
+
+    def unregister() -> None:
+        with cupy.cuda.Device(device):
+            rt.hostUnregister(ptr)
+    return alias, unregister
 
 
 def _external(ptr: int):

@@ -111,15 +111,21 @@ class SliceRunner:
 
     ``mbs``: step id -> micro-batch, in age order. ``peer_base`` + replica index is a replica's
     peer id on the memory nodes (``reply_to``). ``polling``: pre-launch each next slice that
-    stays here (:func:`lamina.computenode.polling.make_polling`; None: off)."""
+    stays here (:func:`lamina.computenode.polling.make_polling`; None: off). ``step_graphs``:
+    replica index -> its whole-step graphs (:mod:`lamina.computenode.step_graphs`), which run
+    every step they hold; ``serve`` polls the mailboxes of nodes in this process while one
+    runs (None: the nodes poll their own)."""
 
     def __init__(self, replicas: dict[int, ComputeReplica], pipeline: PipelineConfig, port: Port,
-                 *, peer_base: int = 0, polling=None, span: Span | None = None) -> None:
+                 *, peer_base: int = 0, polling=None, span: Span | None = None,
+                 step_graphs: dict | None = None, serve: Callable[[], bool] | None = None) -> None:
         self.replicas = replicas
         self.pipeline = pipeline
         self.port = port
         self.peer_base = peer_base
         self.polling = polling
+        self.step_graphs = step_graphs or {}
+        self.serve = serve
         self.span = span
         self.mbs: dict[int, MicroBatch] = {}
         self.waiting: dict[int, MicroBatch] = {}  # ATTENDs out, results not all used: by ``sent``
@@ -197,6 +203,8 @@ class SliceRunner:
                 self._run(mb)
 
     def _run(self, mb: MicroBatch) -> None:
+        if mb.k == 0 and self.step_graphs and self._run_graph(mb):
+            return
         got = None  # layer k-1's RESULT, waited for in place (a lone micro-batch, one node)
         if mb.k == 0 and (native := self._native_step(mb)) is not None:
             got = self._run_step(mb, *native)
@@ -262,6 +270,28 @@ class SliceRunner:
         if stamps is not None:
             self._step_spans(mb, here, stamps[:k + 1].tolist(), tokens is not None)
         return self._then(mb, here, context, qkv, tokens, sent)
+
+    def _run_graph(self, mb: MicroBatch) -> bool:
+        """``mb``'s whole step as one graph launch (:mod:`lamina.computenode.step_graphs`),
+        sampled and handed to the engine; False where no graph holds it (nothing was done)."""
+        here = self._whole_step_replica(mb.slot)
+        graphs = self.step_graphs.get(here) if here is not None else None
+        if graphs is None or not graphs.holds(mb.plan, mb.routes):
+            return False
+        replica = self.replicas[here]
+        t0 = time.perf_counter_ns()
+        try:
+            logits = graphs.run(mb.slot, mb.plan, mb.routes, self.serve)
+            tokens = replica.sample(logits, mb.req_ids, mb.params, mb.uniforms).tolist()
+        except Exception as e:  # noqa: BLE001 -- this micro-batch fails; the others go on
+            self._fail(mb, e)
+            return True
+        if self.span is not None:
+            self.span("compute", here, "step (graph) + sample", t0, time.perf_counter_ns(), mb)
+        del self.mbs[mb.step_id]
+        mb.values, mb.sent = None, -1
+        self.port.to_engine(mb, tokens)
+        return True
 
     def _step_spans(self, mb: MicroBatch, here: int, stamps: list[list[int]],
                     sampled: bool) -> None:

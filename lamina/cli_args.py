@@ -28,7 +28,8 @@ _HELP: dict[str, tuple[str, tuple | None]] = {
     "address": ("ray: join this Ray cluster (default: start a local one)", None),
     "device": ("compute replica device (cpu, cpu:N, cpu:A-B, cuda:N)", None),
     "memory_device": ("memory node device (default: --device)", None),
-    "cuda_graphs": ("replay decode steps' dense slices as CUDA graphs (--device cuda:N only)", None),
+    "cuda_graphs": ("replay decode steps' dense slices as CUDA graphs (--device cuda:N only); with "
+                    "--device-polling, each decode step as one graph with its sends and waits", None),
     "device_polling": ("replicas queue each next slice behind a device flag that the attention "
                        "results release (cuda: needs cupy; emulated: CPU stand-in)", POLLING),
     "kernels": ("what every role computes with, by one name: the attention backend; torch also "

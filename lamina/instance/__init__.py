@@ -193,7 +193,9 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
     icfg = config.instance
     cap = node_capacity(info.specs, info.dtype, config.cache)
     replica_devs, node_devs = icfg.role_devices()
-    graph_tokens = config.scheduler.max_num_seqs if icfg.cuda_graphs else 0
+    # graphs and polling together: whole decode steps (step_graphs), no per-slice graphs
+    whole_steps = icfg.cuda_graphs and icfg.device_polling != "off"
+    graph_tokens = config.scheduler.max_num_seqs if icfg.cuda_graphs and not whole_steps else 0
     if icfg.device_polling == "cuda":  # refused before any role starts
         from lamina.computenode.polling import unavailable
         if (why := unavailable(replica_devs[0].torch)) is not None:
@@ -215,10 +217,22 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                                   dtype=info.dtype, kv_dtype=config.cache.kv_dtype, device=d.torch)
                 node.plane = plane_for(node)  # its ATTENDs in one C++ call where it applies
                 nodes.append(InProcessNode(node, name=f"memory node {k}"))
-        polling = make_polling(icfg.device_polling, replica_devs[0].torch,
-                               icfg.pipeline.micro_batches, config.scheduler.max_num_batched_tokens)
-        worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline, polling)
+        # whole steps: no slice waits on a flag outside a graph (a prefill runs slice by slice)
+        polling = None if whole_steps else make_polling(
+            icfg.device_polling, replica_devs[0].torch, icfg.pipeline.micro_batches,
+            config.scheduler.max_num_batched_tokens)
+        steps, serve, close_steps = {}, None, None
+        if whole_steps:
+            from lamina.computenode.step_graphs import device_steps
+            with stage("step graphs"):
+                steps, serve, close_steps = device_steps(
+                    icfg.device_polling, split, [d.torch for d in replica_devs],
+                    [n.node.attend for n in nodes], icfg.pipeline.micro_batches,
+                    config.scheduler.max_num_seqs, info.dtype)
+        worker = InProcessReplicas(replicas, nodes, icfg.pipeline, timeline, polling, steps, serve)
         closers: list[Callable[[], None]] = [worker.close]
+        if close_steps is not None:
+            closers.append(close_steps)
         restart = None  # the nodes live and die with this process
     else:
         from lamina.instance.procs import (node_clients, restart_node, spawn_memory_nodes,

@@ -24,10 +24,13 @@ from lamina.types import (AttendMsg, NativeExchange, NodeRoute, NodeStats, Prepa
 class InProcessReplicas(WorkerClient):
     """``replicas`` (``pipeline.replicas`` of them) against ``nodes``: the own pool's nodes,
     then attached (borrowed) ones. ``polling``: pre-launch each next slice behind a device flag
-    (:func:`lamina.computenode.polling.make_polling`; None: off)."""
+    (:func:`lamina.computenode.polling.make_polling`; None: off). ``step_graphs`` and
+    ``serve``: whole decode steps as one graph launch each, this thread serving the nodes'
+    mailboxes meanwhile (:func:`lamina.computenode.step_graphs.device_steps`)."""
 
     def __init__(self, replicas: list[ComputeReplica], nodes: list[NodeClient],
-                 pipeline: PipelineConfig, timeline: Timeline | None = None, polling=None):
+                 pipeline: PipelineConfig, timeline: Timeline | None = None, polling=None,
+                 step_graphs: dict | None = None, serve=None):
         if len(replicas) != pipeline.replicas:
             raise ValueError(f"pipeline wants {pipeline.replicas} replicas, got {len(replicas)}")
         self.replicas = replicas
@@ -36,7 +39,8 @@ class InProcessReplicas(WorkerClient):
         self.timeline = timeline
         self.polling = polling
         self.runner = SliceRunner(dict(enumerate(replicas)), pipeline, self, polling=polling,
-                                  span=self._span if timeline is not None else None)
+                                  span=self._span if timeline is not None else None,
+                                  step_graphs=step_graphs, serve=serve)
         self._done: list[tuple[int, list[int]]] = []
         self._times = WorkerTimes()
 

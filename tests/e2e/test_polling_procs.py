@@ -1,6 +1,6 @@
-"""Pre-launched slices (``device_polling="emulated"``, the CPU stand-in of device-side polling)
-under processes and in process: the replica core's bookkeeping keeps greedy output equal to HF.
-Not marked slow: this is the only CI run of that path."""
+"""Pre-launched slices and whole-step graphs (``device_polling="emulated"``, the CPU stand-in
+of device-side polling) under processes and in process: the replica core's bookkeeping keeps
+greedy output equal to HF. Not marked slow: this is the only CI run of those paths."""
 import pytest
 
 from lamina import LLM, SamplingParams
@@ -30,3 +30,32 @@ def test_prelaunched_slices_keep_greedy_output(tiny, tmp_path, placement):
         names = {s.name for s in llm.timeline.spans if s.role == "compute"}
     assert [o.outputs[0].token_ids for o in outs] == want
     assert any(n.endswith("(landed)") for n in names), sorted(names)[:10]
+
+
+def test_whole_step_graphs_keep_greedy_output(tiny, tmp_path):
+    """``cuda_graphs`` with ``device_polling="emulated"``: each decode step is one (CPU
+    stand-in) graph of every slice with its sends and waits over the step mailbox, two nodes
+    answering through it; outputs equal to HF, and the timeline shows whole-step launches."""
+    folder, want = tiny
+    with LLM(str(folder), memory=2, micro_batches=2, pipeline="rotational", cuda_graphs=True,
+             device_polling="emulated", trace=str(tmp_path / "run.json")) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        names = {s.name for s in llm.timeline.spans if s.role == "compute"}
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert "step (graph) + sample" in names, sorted(names)
+
+
+@pytest.mark.gpu
+def test_whole_step_cuda_graphs_with_host_memory_nodes(tiny):
+    """The same on a GPU: each decode step one CUDA graph waiting on the mailbox's flags,
+    memory nodes on the host's cores (NEO's layout) answering from this process."""
+    import torch
+
+    from lamina.computenode.device_wait import unavailable
+    if not torch.cuda.is_available() or unavailable() is not None:
+        pytest.skip(unavailable() if torch.cuda.is_available() else "needs a CUDA GPU")
+    folder, want = tiny
+    with LLM(str(folder), memory=2, device="cuda:0", memory_device="cpu", cuda_graphs=True,
+             device_polling="cuda") as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want

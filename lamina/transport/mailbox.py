@@ -1,0 +1,269 @@
+"""The step mailbox: a whole decode step's attention exchange at fixed addresses, so that a
+CUDA graph can hold every slice of the step with its sends and waits (issue 41, item 3).
+
+A ring (:mod:`lamina.transport.ring`) moves messages of any size to wherever its head is; a
+captured graph replays the same addresses every time. The mailbox is therefore one fixed
+section per micro-batch slot, in memory that both sides reach (host memory mapped into the GPU
+for the compute side: :mod:`lamina.computenode.step_graphs`), laid out as follows (every region
+starts on its own 64-byte line, so no word the device writes shares a line with one a node
+writes)::
+
+    words    int64[8]   SEND (the device: BASE + layer + 1 once the layer's q/k/v are in),
+                        BASE (the host, per step), STEP (its id), TOKENS (rows in use),
+                        MISSED (a device wait gave up)
+    per node int64[8]   REPLY (the node: the SEND value it answered), STATUS (0, or FAILED),
+                        NQ, NA (its query and appended rows this step)
+             int64[Tp]  q_rows, int64[Tp] kv_rows (rows of the step, in its works' order)
+             uint8[256] the error text of a FAILED answer
+    q[Tp, H, D], k[Tp, Hkv, D], v[Tp, Hkv, D]                (the model's dtype)
+    per node o[Tp, H, D] (the model's dtype), lse[Tp, H] (float32)
+
+One round: before launching slot s's step the host :meth:`Mailbox.post`\\ s it (step id, BASE,
+each node's rows, the landing areas cleared: o = 0, lse = -inf); per layer the device writes
+q/k/v, then SEND; each node sees SEND move (:class:`MailboxServer`), attends its rows, writes
+its o/lse rows and STATUS, then REPLY = SEND (a release); the device waits for every REPLY and
+merges the nodes' o by LSE (a row no node saw stays 0). Values only grow: BASE is the step
+count of the slot times the layers. One section per slot is enough: the device writes layer
+k+1's q/k/v only after every node answered layer k, and a node reads them before it answers.
+
+Contract: ``buffer`` is uint8 of :meth:`MailboxShape.nbytes` on any device (the host's mapping
+or a CUDA alias of it); the section of a slot is touched by its one micro-batch at a time.
+A node answers every SEND, failing or not, so the device never waits on a node that is up; a
+node that is gone is found by the device's bounded wait (MISSED).
+"""
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lamina.transport.ring_memory import fence
+from lamina.types import AttendMsg, AttendResult, NodeRoute
+
+SEND, BASE, STEP, TOKENS, MISSED = range(5)  # slot words
+REPLY, STATUS, NQ, NA = range(4)  # node words
+FAILED = 1
+ERROR_BYTES = 256
+_LINE = 64
+
+
+def _up(n: int) -> int:
+    return -(-n // _LINE) * _LINE
+
+
+@dataclass(frozen=True)
+class MailboxShape:
+    """``slots`` micro-batch slots of up to ``tokens`` rows for ``nodes`` memory nodes; q has
+    ``heads`` x ``dim``, k/v ``kv_heads`` x ``dim`` per row, in ``dtype``."""
+
+    slots: int
+    nodes: int
+    tokens: int
+    heads: int
+    kv_heads: int
+    dim: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def _node_bytes(self) -> int:
+        return _up(8 * 8) + 2 * _up(8 * self.tokens) + _up(ERROR_BYTES)
+
+    def _landing_bytes(self) -> int:
+        return _up(self.tokens * self.heads * self.dim * self.itemsize) + \
+            _up(self.tokens * self.heads * 4)
+
+    def section_bytes(self) -> int:
+        t, i = self.tokens, self.itemsize
+        qkv = _up(t * self.heads * self.dim * i) + 2 * _up(t * self.kv_heads * self.dim * i)
+        return _up(8 * 8) + self.nodes * self._node_bytes() + qkv + \
+            self.nodes * self._landing_bytes()
+
+    def nbytes(self) -> int:
+        return self.slots * self.section_bytes()
+
+
+def host_buffer(shape: MailboxShape) -> tuple[torch.Tensor, mmap.mmap]:
+    """A zeroed, page-aligned host buffer for ``shape`` (an anonymous mapping, which
+    ``cudaHostRegister`` can map into a GPU) and the mapping that owns it."""
+    m = mmap.mmap(-1, shape.nbytes())
+    return torch.frombuffer(m, dtype=torch.uint8), m
+
+
+class Mailbox:
+    """Views of the mailbox in ``buffer`` (module docstring); every view aliases ``buffer``,
+    so on a CUDA alias of host memory they are what a graph reads and writes."""
+
+    def __init__(self, shape: MailboxShape, buffer: torch.Tensor) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < shape.nbytes():
+            raise ValueError(f"a mailbox of shape {shape} needs uint8[{shape.nbytes()}]; got "
+                             f"{buffer.dtype}{list(buffer.shape)}")
+        self.shape, self.buffer = shape, buffer
+        self.bases = [0] * shape.slots  # the host's BASE per slot (post)
+
+    def _region(self, at: int, n: int, dtype: torch.dtype, dims: tuple[int, ...]) -> torch.Tensor:
+        size = torch.empty(0, dtype=dtype).element_size()
+        return self.buffer[at:at + n * size].view(dtype).view(dims)
+
+    def _offsets(self, slot: int) -> dict[str, int]:
+        s = self.shape
+        if not 0 <= slot < s.slots:
+            raise ValueError(f"mailbox slot {slot} out of range 0..{s.slots - 1}")
+        at = slot * s.section_bytes()
+        out = {"words": at}
+        at += _up(64)
+        out["nodes"] = at
+        at += s.nodes * s._node_bytes()
+        t, i = s.tokens, s.itemsize
+        out["q"], at = at, at + _up(t * s.heads * s.dim * i)
+        out["k"], at = at, at + _up(t * s.kv_heads * s.dim * i)
+        out["v"], at = at, at + _up(t * s.kv_heads * s.dim * i)
+        out["landing"] = at
+        return out
+
+    # -- views ---------------------------------------------------------------------------------
+    def words(self, slot: int) -> torch.Tensor:
+        """int64[8]: SEND, BASE, STEP, TOKENS, MISSED."""
+        return self._region(self._offsets(slot)["words"], 8, torch.int64, (8,))
+
+    def node_words(self, slot: int, node: int) -> torch.Tensor:
+        """int64[8]: REPLY, STATUS, NQ, NA of ``node``."""
+        return self._region(self._node_at(slot, node), 8, torch.int64, (8,))
+
+    def rows(self, slot: int, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``node``'s ``(q_rows, kv_rows)`` areas, int64[Tp] each."""
+        at, t = self._node_at(slot, node) + _up(64), self.shape.tokens
+        return (self._region(at, t, torch.int64, (t,)),
+                self._region(at + _up(8 * t), t, torch.int64, (t,)))
+
+    def error(self, slot: int, node: int) -> torch.Tensor:
+        at = self._node_at(slot, node) + _up(64) + 2 * _up(8 * self.shape.tokens)
+        return self.buffer[at:at + ERROR_BYTES]
+
+    def qkv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q[Tp, H, D]``, ``k/v[Tp, Hkv, D]`` of ``slot``."""
+        s, off = self.shape, self._offsets(slot)
+        t = s.tokens
+        return (self._region(off["q"], t * s.heads * s.dim, s.dtype, (t, s.heads, s.dim)),
+                self._region(off["k"], t * s.kv_heads * s.dim, s.dtype, (t, s.kv_heads, s.dim)),
+                self._region(off["v"], t * s.kv_heads * s.dim, s.dtype, (t, s.kv_heads, s.dim)))
+
+    def landing(self, slot: int, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``node``'s answer areas: ``o[Tp, H, D]`` and ``lse[Tp, H]`` (float32)."""
+        s = self.shape
+        self._check_node(node)
+        at = self._offsets(slot)["landing"] + node * s._landing_bytes()
+        t = s.tokens
+        o = self._region(at, t * s.heads * s.dim, s.dtype, (t, s.heads, s.dim))
+        at += _up(t * s.heads * s.dim * s.itemsize)
+        return o, self._region(at, t * s.heads, torch.float32, (t, s.heads))
+
+    def _check_node(self, node: int) -> None:
+        if not 0 <= node < self.shape.nodes:
+            raise ValueError(f"mailbox node {node} out of range 0..{self.shape.nodes - 1}")
+
+    def _node_at(self, slot: int, node: int) -> int:
+        self._check_node(node)
+        return self._offsets(slot)["nodes"] + node * self.shape._node_bytes()
+
+    # -- the host's side -------------------------------------------------------------------------
+    def post(self, slot: int, step_id: int, tokens: int, routes: list[NodeRoute],
+             layers: int) -> int:
+        """Ready ``slot`` for step ``step_id`` of ``tokens`` rows whose ``layers`` layers go to
+        ``routes`` (route i: node ``route.node``); returns the step's BASE. Called while no
+        device work and no node touches the slot (its previous step is over)."""
+        s = self.shape
+        if tokens > s.tokens:
+            raise ValueError(f"a {tokens}-token step does not fit the mailbox's {s.tokens} rows")
+        for n in range(s.nodes):
+            o, lse = self.landing(slot, n)
+            o.zero_()
+            lse.fill_(float("-inf"))
+            self.node_words(slot, n)[NQ:NA + 1] = 0
+        for r in routes:
+            w = self.node_words(slot, r.node)
+            q_rows, kv_rows = self.rows(slot, r.node)
+            nq, na = r.q_rows.numel(), r.kv_rows.numel()
+            q_rows[:nq] = r.q_rows
+            kv_rows[:na] = r.kv_rows
+            w[NQ], w[NA] = nq, na
+        base = self.bases[slot]
+        self.bases[slot] = base + layers
+        words = self.words(slot)
+        words[STEP], words[TOKENS], words[BASE] = step_id, tokens, base
+        fence()
+        return base
+
+    def check(self, slot: int) -> None:
+        """After slot ``slot``'s step: raise if a device wait gave up or a node failed."""
+        words = self.words(slot)
+        if int(words[MISSED]):
+            words[MISSED] = 0
+            raise RuntimeError(f"a device wait on mailbox slot {slot} gave up before every memory "
+                               "node answered (a node stopped answering); the step is void")
+        for n in range(self.shape.nodes):
+            w = self.node_words(slot, n)
+            if int(w[STATUS]) == FAILED:
+                w[STATUS] = 0
+                text = bytes(self.error(slot, n).tolist()).rstrip(b"\0").decode(errors="replace")
+                raise RuntimeError(f"memory node {n} failed step {int(words[STEP])}: {text}")
+
+
+class MailboxServer:
+    """A memory node's side of ``box`` (node index ``node``): :meth:`poll` answers every SEND
+    that moved since the last poll, each by ``attend(AttendMsg) -> AttendResult`` (the node's
+    :meth:`~lamina.memnode.node.MemoryNode.attend`). An exception there is this step's
+    answer (STATUS FAILED with its text), never this loop's end."""
+
+    def __init__(self, box: Mailbox, node: int, attend: Callable[[AttendMsg], AttendResult]) -> None:
+        box._check_node(node)
+        self.box, self.node, self.attend = box, node, attend
+        self.seen = [0] * box.shape.slots
+        self.served = 0
+
+    def poll(self) -> bool:
+        """Answer what is waiting in every slot; whether anything was."""
+        done = False
+        for slot in range(self.box.shape.slots):
+            while self._answer(slot):
+                done = True
+        return done
+
+    def _answer(self, slot: int) -> bool:
+        box = self.box
+        words = box.words(slot)
+        send = int(words[SEND])
+        if send <= self.seen[slot]:
+            return False
+        fence()  # SEND read before the bytes it covers
+        mine = box.node_words(slot, self.node)
+        step, layer = int(words[STEP]), send - int(words[BASE]) - 1
+        nq, na = int(mine[NQ]), int(mine[NA])
+        if nq or na:
+            try:
+                self._attend(slot, step, layer, nq, na)
+                mine[STATUS] = 0
+            except Exception as e:  # noqa: BLE001 - the step's answer, not the loop's end
+                text = f"{type(e).__name__}: {e}".encode()[:ERROR_BYTES - 1]
+                err = box.error(slot, self.node)
+                err.zero_()
+                err[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+                mine[STATUS] = FAILED
+        fence()  # the answer's bytes before REPLY
+        mine[REPLY] = send
+        self.seen[slot] = send
+        self.served += 1
+        return True
+
+    def _attend(self, slot: int, step: int, layer: int, nq: int, na: int) -> None:
+        box = self.box
+        q_rows, kv_rows = (r[:n] for r, n in zip(box.rows(slot, self.node), (nq, na)))
+        q, k, v = box.qkv(slot)
+        res = self.attend(AttendMsg(step, layer, q[q_rows], k[kv_rows], v[kv_rows]))
+        o, lse = box.landing(slot, self.node)
+        o[q_rows] = res.o.to(o.device, o.dtype)
+        lse[q_rows] = res.lse.to(lse.device, torch.float32)
