@@ -25,7 +25,8 @@ path is tested under ``pytest -m gpu`` (``tests/computenode/test_step_graphs.py`
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -110,12 +111,15 @@ def merge(os: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp_min(1e-30), 0.0).to(os[0].dtype)
 
 
+@dataclass
 class _Step:
-    """One slot's graph at one padded size: its static inputs and logits."""
+    """One slot's step at one padded size: its static inputs and, captured, the graph and its
+    logits; or (the CPU stand-in) the calls to make again at every replay."""
 
-    def __init__(self, graph, inputs: list[torch.Tensor], logits: torch.Tensor | None,
-                 eager: Callable | None = None) -> None:
-        self.graph, self.inputs, self.logits, self.eager = graph, inputs, logits, eager
+    graph: Any
+    inputs: list[torch.Tensor]
+    logits: torch.Tensor | None
+    eager: Callable | None = None
 
 
 class StepGraphs:
