@@ -34,11 +34,13 @@ import warnings
 
 from lamina.transport.ring_memory import fence
 
+# One module for every wait: a flag the host moves to a target (DeviceFlag), and the step
+# mailbox's words (lamina.computenode.step_graphs). A whole step in one CUDA graph cannot bake
+# flag values in: it replays the same arguments every step, so its kernels read the step's
+# BASE word (written by the host before the launch) and add the layer's offset.
 _SOURCE = r"""
-extern "C" __global__ void lamina_wait_flag(const volatile unsigned long long* flag,
-                                            unsigned long long target,
-                                            unsigned long long timeout_ns,
-                                            volatile unsigned long long* timed_out) {
+__device__ void lamina_spin(const volatile unsigned long long* flag, unsigned long long target,
+                            unsigned long long timeout_ns, volatile unsigned long long* timed_out) {
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     unsigned int backoff = 32;
@@ -55,11 +57,14 @@ extern "C" __global__ void lamina_wait_flag(const volatile unsigned long long* f
     }
     __threadfence_system();
 }
-"""
-# A whole step in one CUDA graph (lamina.computenode.step_graphs) cannot bake flag values in:
-# it replays the same arguments every step. Its kernels read the step's BASE word (written by
-# the host before the launch) and add the layer's offset.
-_MAILBOX_SOURCE = r"""
+
+extern "C" __global__ void lamina_wait_flag(const volatile unsigned long long* flag,
+                                            unsigned long long target,
+                                            unsigned long long timeout_ns,
+                                            volatile unsigned long long* timed_out) {
+    lamina_spin(flag, target, timeout_ns, timed_out);
+}
+
 extern "C" __global__ void lamina_signal_word(volatile unsigned long long* word,
                                               const volatile unsigned long long* base,
                                               unsigned long long offset) {
@@ -73,22 +78,7 @@ extern "C" __global__ void lamina_wait_word(const volatile unsigned long long* w
                                             unsigned long long offset,
                                             unsigned long long timeout_ns,
                                             volatile unsigned long long* missed) {
-    const unsigned long long target = *base + offset;
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    unsigned int backoff = 32;
-    while (*word < target) {
-#if __CUDA_ARCH__ >= 700
-        __nanosleep(backoff);
-        if (backoff < 1024) backoff <<= 1;
-#endif
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start > timeout_ns) {
-            *missed = 1;
-            break;
-        }
-    }
-    __threadfence_system();
+    lamina_spin(word, *base + offset, timeout_ns, missed);
 }
 """
 _KERNEL = None
@@ -175,7 +165,7 @@ def mailbox_kernel(name: str):
     with _LOCK:
         if name not in _MAILBOX_KERNELS:
             import cupy
-            _MAILBOX_KERNELS[name] = cupy.RawKernel(_MAILBOX_SOURCE, name)
+            _MAILBOX_KERNELS[name] = cupy.RawKernel(_SOURCE, name)
         return _MAILBOX_KERNELS[name]
 
 
