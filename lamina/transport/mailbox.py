@@ -68,7 +68,7 @@ class MailboxShape:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def _node_bytes(self) -> int:
         return _up(8 * 8) + 2 * _up(8 * self.tokens) + _up(ERROR_BYTES)
@@ -106,8 +106,7 @@ class Mailbox:
         self.bases = [0] * shape.slots  # the host's BASE per slot (post)
 
     def _region(self, at: int, n: int, dtype: torch.dtype, dims: tuple[int, ...]) -> torch.Tensor:
-        size = torch.empty(0, dtype=dtype).element_size()
-        return self.buffer[at:at + n * size].view(dtype).view(dims)
+        return self.buffer[at:at + n * dtype.itemsize].view(dtype).view(dims)
 
     def _offsets(self, slot: int) -> dict[str, int]:
         s = self.shape
@@ -224,6 +223,9 @@ class MailboxServer:
         self.box, self.node, self.attend = box, node, attend
         self.seen = [0] * box.shape.slots
         self.served = 0
+        slots = range(box.shape.slots)  # the words polled, viewed once
+        self._words = [box.words(s) for s in slots]
+        self._mine = [box.node_words(s, node) for s in slots]
 
     def poll(self) -> bool:
         """Answer what is waiting in every slot; whether anything was."""
@@ -234,13 +236,11 @@ class MailboxServer:
         return done
 
     def _answer(self, slot: int) -> bool:
-        box = self.box
-        words = box.words(slot)
+        box, words, mine = self.box, self._words[slot], self._mine[slot]
         send = int(words[SEND])
         if send <= self.seen[slot]:
             return False
         fence()  # SEND read before the bytes it covers
-        mine = box.node_words(slot, self.node)
         step, layer = int(words[STEP]), send - int(words[BASE]) - 1
         nq, na = int(mine[NQ]), int(mine[NA])
         if nq or na:
