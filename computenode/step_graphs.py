@@ -214,7 +214,7 @@ class StepGraphs:
         t = plan.num_tokens
         size = self.size_for(t)
         cap = self.steps[(slot, size)]
-        self.host_box.post(slot, plan.step_id, t, routes, self.layers)
+        self.host_box.post(slot, plan.step_id, t, routes, self.layers, size)
         for static, new in zip(cap.inputs, (plan.token_ids, plan.positions, plan.sample_rows)):
             static[:t].copy_(new)
             static[t:].zero_()
@@ -252,7 +252,7 @@ def device_steps(mode: str, split: SplitModel, devices: Sequence[torch.device],
         raise ValueError("whole-step graphs need every attention layer of one shape")
     shape = MailboxShape(slots, len(attends), tokens, spec.num_heads, spec.num_kv_heads,
                          spec.head_dim, dtype)
-    buffer, mapping = host_buffer(shape)
+    buffer = host_buffer(shape)
     host = Mailbox(shape, buffer)
     servers = [MailboxServer(host, n, a) for n, a in enumerate(attends)]
 
@@ -282,5 +282,4 @@ def device_steps(mode: str, split: SplitModel, devices: Sequence[torch.device],
         for c in closers:
             c()
         closers.clear()
-    close.mapping = mapping  # the host memory lives as long as close does
     return graphs, serve, close

@@ -87,11 +87,10 @@ class MailboxShape:
         return self.slots * self.section_bytes()
 
 
-def host_buffer(shape: MailboxShape) -> tuple[torch.Tensor, mmap.mmap]:
-    """A zeroed, page-aligned host buffer for ``shape`` (an anonymous mapping, which
-    ``cudaHostRegister`` can map into a GPU) and the mapping that owns it."""
-    m = mmap.mmap(-1, shape.nbytes())
-    return torch.frombuffer(m, dtype=torch.uint8), m
+def host_buffer(shape: MailboxShape) -> torch.Tensor:
+    """A zeroed, page-aligned host buffer for ``shape``: an anonymous mapping (which
+    ``cudaHostRegister`` can map into a GPU), kept alive by the tensor."""
+    return torch.frombuffer(mmap.mmap(-1, shape.nbytes()), dtype=torch.uint8)
 
 
 class Mailbox:
@@ -171,17 +170,19 @@ class Mailbox:
 
     # -- the host's side -------------------------------------------------------------------------
     def post(self, slot: int, step_id: int, tokens: int, routes: list[NodeRoute],
-             layers: int) -> int:
+             layers: int, padded: int | None = None) -> int:
         """Ready ``slot`` for step ``step_id`` of ``tokens`` rows whose ``layers`` layers go to
-        ``routes`` (route i: node ``route.node``); returns the step's BASE. Called while no
-        device work and no node touches the slot (its previous step is over)."""
+        ``routes`` (route i: node ``route.node``) and whose device work reads ``padded`` rows
+        (default: every row; those landing rows are cleared); returns the step's BASE. Called
+        while no device work and no node touches the slot (its previous step is over)."""
         s = self.shape
         if tokens > s.tokens:
             raise ValueError(f"a {tokens}-token step does not fit the mailbox's {s.tokens} rows")
+        padded = s.tokens if padded is None else padded
         for n in range(s.nodes):
             o, lse = self.landing(slot, n)
-            o.zero_()
-            lse.fill_(float("-inf"))
+            o[:padded].zero_()
+            lse[:padded].fill_(float("-inf"))
             self.node_words(slot, n)[NQ:NA + 1] = 0
         for r in routes:
             w = self.node_words(slot, r.node)

@@ -29,7 +29,7 @@ def test_merge_matches_merge_states_and_leaves_unseen_rows_zero():
 
 def test_host_wait_serves_until_the_reply_and_gives_up_as_the_device_does():
     shape = MailboxShape(1, 1, 2, 1, 1, 4)
-    buf, _m = host_buffer(shape)
+    buf = host_buffer(shape)
     box = Mailbox(shape, buf)
     base = box.post(0, 1, 2, [], layers=3)
     served = []
@@ -67,7 +67,7 @@ def test_cuda_flags_release_a_captured_wait_and_see_the_mapped_mailbox():
     if not torch.cuda.is_available() or unavailable() is not None:
         pytest.skip(unavailable() if torch.cuda.is_available() else "needs a CUDA GPU")
     shape = MailboxShape(1, 1, 4, 2, 1, 8)
-    buf, _m = host_buffer(shape)
+    buf = host_buffer(shape)
     host = Mailbox(shape, buf)
     alias, unregister = mapped_alias(buf)
     dev = Mailbox(shape, alias)

@@ -20,12 +20,11 @@ def _route(node, q_rows, kv_rows=None):
 
 
 def _box(shape=SHAPE):
-    buf, mapping = host_buffer(shape)
-    return Mailbox(shape, buf), mapping
+    return Mailbox(shape, host_buffer(shape))
 
 
 def test_regions_are_disjoint_line_aligned_and_inside_the_buffer():
-    box, _m = _box()
+    box = _box()
     regions = []
     for slot in range(SHAPE.slots):
         regions += [box.words(slot), *box.qkv(slot)]
@@ -47,7 +46,7 @@ def test_regions_are_disjoint_line_aligned_and_inside_the_buffer():
 
 
 def test_post_writes_the_header_and_clears_the_landing():
-    box, _m = _box()
+    box = _box()
     o, lse = box.landing(1, 0)
     o.fill_(7)
     assert box.post(1, step_id=42, tokens=3, routes=[_route(0, [0, 2]), _route(1, [1], [])],
@@ -64,7 +63,7 @@ def test_post_writes_the_header_and_clears_the_landing():
 
 
 def test_server_answers_each_send_once_with_its_rows():
-    box, _m = _box()
+    box = _box()
     calls = []
 
     def attend(msg):
@@ -94,7 +93,7 @@ def test_server_answers_each_send_once_with_its_rows():
 
 
 def test_a_failed_attend_is_the_steps_answer_and_the_host_raises_it():
-    box, _m = _box()
+    box = _box()
 
     def attend(msg):
         raise ValueError("step 5 is not prepared on this node")
