@@ -14,7 +14,13 @@ measured in the same run:
   slice pre-launched behind a device flag; its ``vs_lamina-procs`` is that gain;
 * ``lamina-steps`` (``--cuda-graphs --device-polling``): in process, each decode step one CUDA
   graph of every slice with its sends and waits over the step mailbox (memory nodes off the
-  GPU: ``--memory-device cpu``); its ``vs_lamina-graphs`` is the gain over per-slice graphs.
+  GPU: ``--memory-device cpu``); its ``vs_lamina-graphs`` is the gain over per-slice graphs;
+* ``lamina-procs-steps`` (the same options): the same with each memory node a process of its
+  own serving the replica process's mailbox; its ``vs_hf`` at batch 32 is issue 41's row
+  "graphs + polling, memory node in a process, vs HF".
+
+On a CPU ``--device-polling`` runs the CPU stand-in (``device_polling="emulated"``): a smoke
+run of those paths, not a measure of them.
 
 Each system prefills the same mixed-length prompts (seeded) once; then single decode steps of
 the systems are *interleaved* (round r times one step of each system, in an order that rotates
@@ -45,7 +51,8 @@ from tqdm import tqdm
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("hf", "lamina-inproc", "lamina-procs")
-OPTIONAL = ("lamina-graphs", "lamina-procs-graphs", "lamina-polling", "lamina-steps")  # a failure is reported
+OPTIONAL = ("lamina-graphs", "lamina-procs-graphs", "lamina-polling", "lamina-steps",
+            "lamina-procs-steps")  # a failure is reported
 
 
 def _why(e: BaseException) -> str:
@@ -88,7 +95,7 @@ def stats(times: dict[str, list[float]], batch: int) -> list[dict]:
         med = statistics.median(ts)
         row = {"batch": batch, "system": n, "ms_per_token": 1e3 * med, "tok_per_s": batch / med,
                "step_ms": [round(1e3 * t, 2) for t in ts]}
-        for base in ("hf", "lamina-inproc", "lamina-procs", "lamina-graphs"):  # paired rounds
+        for base in ("hf", "lamina-inproc", "lamina-procs", "lamina-graphs", "lamina-steps"):  # paired
             if base != n and base in times:
                 row[f"vs_{base}"] = statistics.median(b / t for t, b in zip(ts, times[base]))
         rows.append(row)
@@ -124,11 +131,15 @@ def main() -> None:
     llms = {"lamina-inproc": LLM(args.model, memory=args.memory, placement="inproc", **kw),
             "lamina-procs": LLM(args.model, memory=args.memory, placement="procs", **kw)}
     failed: dict[str, str] = {}  # optional system -> why it was dropped
+    polling = "cuda" if args.device.startswith("cuda") else "emulated"
+    steps = args.cuda_graphs and args.device_polling
     options = {"lamina-graphs": (args.cuda_graphs, dict(placement="inproc", cuda_graphs=True)),
                "lamina-procs-graphs": (args.cuda_graphs, dict(placement="procs", cuda_graphs=True)),
-               "lamina-polling": (args.device_polling, dict(placement="procs", device_polling="cuda")),
-               "lamina-steps": (args.cuda_graphs and args.device_polling,
-                                dict(placement="inproc", cuda_graphs=True, device_polling="cuda"))}
+               "lamina-polling": (args.device_polling, dict(placement="procs", device_polling=polling)),
+               "lamina-steps": (steps, dict(placement="inproc", cuda_graphs=True,
+                                            device_polling=polling)),
+               "lamina-procs-steps": (steps, dict(placement="procs", cuda_graphs=True,
+                                                  device_polling=polling))}
     for name, (on, extra_kw) in options.items():
         if on:
             try:
@@ -166,8 +177,10 @@ def main() -> None:
         ("lamina-procs-graphs", "lamina-graphs", "procs / in-process, both with graphs"),
         ("lamina-polling", "lamina-procs", "polling / processes"),
         ("lamina-steps", "lamina-graphs", "whole-step graphs / slice graphs"),
-        ("lamina-steps", "hf", "whole-step graphs / HF"))
-        if all((b, name) in by for b in args.batches)]
+        ("lamina-steps", "hf", "whole-step graphs / HF"),
+        ("lamina-procs-steps", "lamina-steps", "whole-step graphs, node processes / in process"),
+        ("lamina-procs-steps", "hf", "whole-step graphs, node processes / HF"))
+        if all((b, name) in by and (b, base) in by for b in args.batches)]
     lines = ["| batch | HF tok/s | Lamina in-process tok/s | Lamina processes tok/s | "
              "in-process / HF | processes / HF | processes / in-process | "
              "ms/token (HF / in-proc / procs) |" + "".join(f" {t} |" for _, _, t in extra),

@@ -92,6 +92,10 @@ def summarise(d: Path) -> dict:
                      if r["system"] == "lamina-steps"}
             if steps:  # issue 41 item 3: whole-step graphs over the mailbox
                 out[f"steps_vs_slice_graphs_{layout}"] = steps
+            remote = {r["batch"]: r.get("vs_hf") for r in e["rows"]
+                      if r["system"] == "lamina-procs-steps"}
+            if remote:  # issue 41: graphs + polling, memory node in a process, vs HF: >= 2.5x
+                out[f"procs_steps_vs_hf_{layout}"] = remote
     neo = _read_json(d / "neo_cuda.json")
     if neo:
         out["neo"] = {"offload_vs_alone": neo["offload_vs_alone"], "ratios": neo["ratios"],
@@ -142,6 +146,11 @@ def markdown(s: dict) -> str:
             lines += [f"Whole-step graphs / slice graphs, in process "
                       f"({k.removeprefix('steps_vs_slice_graphs_')}): " + ", ".join(
                           f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None), ""]
+        if k.startswith("procs_steps_vs_hf_"):
+            lines += [f"Whole-step graphs with memory node processes / HF "
+                      f"({k.removeprefix('procs_steps_vs_hf_')}): " + ", ".join(
+                          f"batch {b} {g:.2f}x" for b, g in v.items() if g is not None)
+                      + " (target 2.5x at batch 32).", ""]
         if k.startswith("procs_vs_inproc_graphs_"):
             lines += [f"Processes / in process, both with graphs "
                       f"({k.removeprefix('procs_vs_inproc_graphs_')}): " + ", ".join(

@@ -23,13 +23,16 @@ slice whose context and attention results have arrived (oldest micro-batch first
 node or peer fails every micro-batch in flight with an ERROR to the engine, which decides the
 rest. With ``device_polling`` (:mod:`lamina.computenode.polling`), a micro-batch that stays here
 has its next slice pre-launched once its ATTENDs are sent, behind a device flag its results move.
+With ``step_graph_tokens`` (graphs and polling together), a micro-batch whose slices all run
+here takes its whole decode step as one graph launch, over a step mailbox every node serves
+(:mod:`lamina.computenode.remote_steps`; joined at CONNECT).
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,7 +53,11 @@ from lamina.transport.step_codec import parse_step, step_uniforms, tokens_messag
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, AttendResult, NativeExchange, PrepareMsg
 
+if TYPE_CHECKING:
+    from lamina.computenode.remote_steps import RemoteSteps
+
 codec.register_error(NodeFailure)
+MAILBOX_STEP = -2  # the step id of a MAILBOX (its ERROR fails every step)
 
 
 @dataclass
@@ -75,6 +82,11 @@ class ReplicaConfig:
     kernels: dict | None = None  # the KernelConfig's fields (None: the process's default)
     spin_us: float = SPIN_US  # how long receivers poll before sleeping (0: cores shared)
     idle_spin_us: float = SPIN_US  # how long the main thread polls its node rings when idle
+    step_graph_tokens: int = 0  # whole decode steps of up to this many tokens as one graph (0: off)
+
+    def torch_dtype(self) -> torch.dtype:
+        from lamina.models import default_dtype
+        return getattr(torch, self.dtype) if self.dtype else default_dtype(torch.device(self.device))
 
 
 def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
@@ -89,9 +101,9 @@ def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:
     try:
         if cfg.device_polling == "cuda":
             eager_module_loading()  # before the model's load starts CUDA
-        from lamina.models import default_dtype, load_model
+        from lamina.models import load_model
         from lamina.split_cache import load_split
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(torch.device(cfg.device))
+        dtype = cfg.torch_dtype()
         def load():
             with stages.stage("load model"):
                 return load_model(cfg.model, dtype=dtype, device=cfg.device).model
@@ -127,8 +139,9 @@ class ReplicaServer:
         self.spans: list[list] = []  # timeline spans not yet sent to the engine
         self.failure: Exception | None = None
         self.inbox = Inbox(config.idle_spin_us, self._current)
-        polling = make_polling(config.device_polling, replica.device, config.micro_batches,
-                               config.max_step_tokens)
+        self.steps: RemoteSteps | None = None  # whole-step graphs: made at the first CONNECT
+        polling = None if config.step_graph_tokens else make_polling(
+            config.device_polling, replica.device, config.micro_batches, config.max_step_tokens)
         pipeline = PipelineConfig(config.schedule, config.micro_batches, config.replicas,
                                   config.attn_parts)
         self.runner = SliceRunner({config.index: replica}, pipeline, self,
@@ -163,6 +176,8 @@ class ReplicaServer:
                 self.runner.drop(step_id)
             if self.runner.polling is not None:
                 self.runner.polling.close()
+            if self.steps is not None:
+                self.steps.close()
             for ch in [*self.nodes, self.next, self.ctrl]:
                 if ch is not None:
                     ch.close()
@@ -203,6 +218,7 @@ class ReplicaServer:
                     for ep in msg.meta["nodes"]:
                         self.nodes.append(connect(ep, spin_us=self.cfg.spin_us))
                         self.inbox.add(("node", len(self.nodes) - 1), self.nodes[-1])
+                    self._join_mailbox(range(len(self.nodes)))
                 if msg.meta.get("next") is not None:  # also: a restarted next replica's
                     old, self.next = self.next, connect(msg.meta["next"], spin_us=self.cfg.spin_us)
                     if old is not None:
@@ -237,6 +253,28 @@ class ReplicaServer:
         old.close()
         self.inbox.add(("node", k), self.nodes[k])
         self.failure = None
+        self._join_mailbox([k])
+
+    def _join_mailbox(self, nodes) -> None:
+        """With whole-step graphs: make them (at the first CONNECT: the nodes known then are
+        the mailbox's), and have each of ``nodes`` serve the mailbox (a MAILBOX; its OK is
+        ignored, an ERROR fails every step: :meth:`_file`)."""
+        if not self.cfg.step_graph_tokens:
+            return
+        if self.steps is None:
+            from lamina.computenode.remote_steps import RemoteSteps
+            replica = self.runner.replicas[self.cfg.index]
+            with stages.stage("step graphs"):
+                self.steps = RemoteSteps(self.cfg.device_polling, replica.split, self.cfg.index,
+                                         replica.device, self.cfg.micro_batches,
+                                         self.cfg.step_graph_tokens, self.cfg.torch_dtype(),
+                                         self.nodes)
+            self.runner.step_graphs, self.runner.serve = self.steps.graphs, self.steps.serve
+        for k in nodes:
+            msg = self.steps.attach(k, self.nodes[k])
+            if msg is not None:
+                msg.step_id = MAILBOX_STEP
+                self._send(("node", k), msg)
 
     def _step(self, msg: Message) -> None:
         plan, routes, req_ids, params = parse_step(msg)
@@ -271,7 +309,11 @@ class ReplicaServer:
     def _file(self, source: Any, msg: Message) -> None:
         mb = self.runner.mbs.get(msg.step_id)
         if msg.kind == MsgKind.OK:
-            return  # a PREPARE's reply
+            return  # a PREPARE's or a MAILBOX's reply
+        if msg.kind == MsgKind.ERROR and msg.step_id == MAILBOX_STEP:
+            self._fail(NodeFailure(f"compute replica {self.cfg.index}: {self._name(source)} "
+                                   f"cannot serve the step mailbox: {codec.from_message(msg)}"))
+            return
         if mb is None:
             if msg.step_id > self.last_step and msg.kind != MsgKind.ERROR:
                 self.early.setdefault(msg.step_id, []).append((source, msg))  # before its STEP

@@ -13,7 +13,9 @@ micro-batch per step, then samples; no host code runs per layer on the compute s
 
 Memory nodes answer from their own loop (:class:`~lamina.transport.mailbox.MailboxServer`).
 For nodes in the engine's process, the launching thread runs their loop until the graph is
-done (``serve``). A step the graphs cannot hold (more tokens than the largest size, a route to
+done (``serve``); a node in a process of its own runs it on a thread there
+(:mod:`lamina.memnode.mailbox_loop`) over a mailbox the replica's process shares
+(:mod:`lamina.computenode.remote_steps`). A step the graphs cannot hold (more tokens than the largest size, a route to
 a node the mailbox does not know) runs the slice-by-slice path.
 
 Capability: the CUDA path needs cupy and host memory the GPU can map
@@ -31,7 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lamina.splitter import SplitModel
-from lamina.transport.mailbox import BASE, MISSED, REPLY, SEND, Mailbox
+from lamina.transport.mailbox import (BASE, MISSED, REPLY, SEND, Mailbox, MailboxServer,
+                                      MailboxShape, host_buffer)
 from lamina.transport.ring_memory import fence
 from lamina.types import NodeRoute, StepPlan
 
@@ -57,9 +60,11 @@ class HostFlags:
         target = int(words[BASE]) + offset
         deadline = time.monotonic() + self.timeout_s
         while int(reply[REPLY]) < target:
-            if not self.serve() and time.monotonic() > deadline:
-                words[MISSED] = 1
-                return
+            if not self.serve():
+                if time.monotonic() > deadline:
+                    words[MISSED] = 1
+                    return
+                time.sleep(0)  # the answer comes from elsewhere: let it run
         fence()
 
 
@@ -233,53 +238,64 @@ class StepGraphs:
         return logits[:plan.sample_rows.numel()].to("cpu")
 
 
-def device_steps(mode: str, split: SplitModel, devices: Sequence[torch.device],
-                 attends: Sequence[Callable], slots: int, tokens: int, dtype: torch.dtype
-                 ) -> tuple[dict[int, StepGraphs], Callable[[], bool], Callable[[], None]]:
-    """Whole-step graphs for replicas on ``devices`` (replica index -> :class:`StepGraphs`)
-    against the memory nodes in this process whose ATTEND is ``attends[n]``
-    (:meth:`MemoryNode.attend`), for ``slots`` micro-batch slots of up to ``tokens`` rows of
-    q/k/v in ``dtype``.
-    ``mode``: ``cuda`` (CUDA graphs over mapped host memory) or ``emulated`` (the CPU
-    stand-in). Returns ``(graphs, serve, close)``: ``serve`` polls every node's mailbox once
-    (whether it answered anything), ``close`` releases the mailbox."""
-    from lamina.computenode.cuda_graphs import capture_sizes
-    from lamina.transport.mailbox import MailboxServer, MailboxShape, host_buffer
-
+def mailbox_shape(split: SplitModel, nodes: int, slots: int, tokens: int, dtype: torch.dtype
+                  ) -> MailboxShape:
+    """The mailbox of ``split``'s whole steps: ``slots`` micro-batch slots of up to ``tokens``
+    rows of q/k/v in ``dtype`` for ``nodes`` memory nodes."""
     spec = split.specs[0]
     if any((s.num_heads, s.num_kv_heads, s.head_dim) != (spec.num_heads, spec.num_kv_heads,
                                                          spec.head_dim) for s in split.specs):
         raise ValueError("whole-step graphs need every attention layer of one shape")
-    shape = MailboxShape(slots, len(attends), tokens, spec.num_heads, spec.num_kv_heads,
-                         spec.head_dim, dtype)
-    buffer = host_buffer(shape)
-    host = Mailbox(shape, buffer)
+    return MailboxShape(slots, nodes, tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                        dtype)
+
+
+def build_step_graphs(mode: str, split: SplitModel, devices: Sequence[torch.device],
+                      host: Mailbox, serve: Callable[[], bool]
+                      ) -> tuple[dict[int, StepGraphs], Callable[[], None]]:
+    """Whole-step graphs for replicas on ``devices`` (replica index -> :class:`StepGraphs`)
+    over the mailbox ``host`` (host memory); ``serve``: what a wait runs meanwhile (the
+    pollers of nodes in this process, stand-ins for dead ones; whether it answered anything).
+    ``mode``: ``cuda`` (CUDA graphs over ``host`` mapped into the GPU) or ``emulated`` (the CPU
+    stand-in). Returns ``(graphs, close)``; ``close`` unmaps ``host`` from the GPU."""
+    from lamina.computenode.cuda_graphs import capture_sizes
+
+    sizes = capture_sizes(host.shape.tokens)
+    if mode == "emulated":
+        flags = HostFlags(host, serve)
+        return ({i: StepGraphs(split, d, sizes, host, host, flags, eager=True)
+                 for i, d in enumerate(devices)}, lambda: None)
+    if mode != "cuda":
+        raise ValueError(f"whole-step graphs need device_polling cuda or emulated; got {mode!r}")
+    from lamina.computenode.device_wait import mapped_alias
+
+    if len({torch.device(d) for d in devices}) != 1:
+        raise ValueError("whole-step graphs run the replicas of one process on one GPU")
+    alias, unregister = mapped_alias(host.buffer, torch.device(devices[0]).index or 0)
+    try:
+        box = Mailbox(host.shape, alias)
+        flags = CudaFlags(box)
+        graphs = {i: StepGraphs(split, d, sizes, host, box, flags) for i, d in enumerate(devices)}
+    except BaseException:
+        unregister()
+        raise
+    return graphs, unregister
+
+
+def device_steps(mode: str, split: SplitModel, devices: Sequence[torch.device],
+                 attends: Sequence[Callable], slots: int, tokens: int, dtype: torch.dtype
+                 ) -> tuple[dict[int, StepGraphs], Callable[[], bool], Callable[[], None]]:
+    """Whole-step graphs (:func:`build_step_graphs`) against the memory nodes in this process
+    whose ATTEND is ``attends[n]`` (:meth:`MemoryNode.attend`), over a mailbox in this
+    process's memory (:func:`mailbox_shape`). Returns ``(graphs, serve, close)``: ``serve``
+    polls every node's mailbox once (whether it answered anything), ``close`` releases the
+    mailbox."""
+    host = Mailbox(shape := mailbox_shape(split, len(attends), slots, tokens, dtype),
+                   host_buffer(shape))
     servers = [MailboxServer(host, n, a) for n, a in enumerate(attends)]
 
     def serve() -> bool:
         return any([s.poll() for s in servers])
 
-    closers: list[Callable[[], None]] = []
-    sizes = capture_sizes(tokens)
-    if mode == "emulated":
-        flags = HostFlags(host, serve)
-        graphs = {i: StepGraphs(split, d, sizes, host, host, flags, eager=True)
-                  for i, d in enumerate(devices)}
-    elif mode == "cuda":
-        from lamina.computenode.device_wait import mapped_alias
-
-        if len({torch.device(d) for d in devices}) != 1:
-            raise ValueError("whole-step graphs run the replicas of one process on one GPU")
-        alias, unregister = mapped_alias(buffer, torch.device(devices[0]).index or 0)
-        closers.append(unregister)
-        box = Mailbox(shape, alias)
-        flags = CudaFlags(box)
-        graphs = {i: StepGraphs(split, d, sizes, host, box, flags) for i, d in enumerate(devices)}
-    else:
-        raise ValueError(f"whole-step graphs need device_polling cuda or emulated; got {mode!r}")
-
-    def close() -> None:
-        for c in closers:
-            c()
-        closers.clear()
+    graphs, close = build_step_graphs(mode, split, devices, host, serve)
     return graphs, serve, close

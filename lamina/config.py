@@ -208,10 +208,10 @@ class InstanceConfig:
     pre-launch each next slice behind a device flag the attention results release
     (:mod:`lamina.computenode.polling`): ``cuda`` needs a CUDA ``device`` and cupy (and, in
     process, memory nodes off the GPU); ``emulated`` is its CPU stand-in (the same
-    bookkeeping, slices deferred), for tests. Both together (``inproc`` only so far): each
-    decode step is one graph of every slice with its sends and waits over the step mailbox
-    (:mod:`lamina.computenode.step_graphs`), ``emulated`` being its CPU stand-in. ``kernels``: what every role of the instance
-    computes with (:class:`KernelConfig`, or its one-name form; default: what
+    bookkeeping, slices deferred), for tests. Both together (``inproc`` or ``procs``: the
+    memory nodes on the replicas' host): each decode step is one graph of every slice with its
+    sends and waits over the step mailbox (:mod:`lamina.computenode.step_graphs`), ``emulated``
+    being its CPU stand-in. ``kernels``: what every role of the instance computes with (:class:`KernelConfig`, or its one-name form; default: what
     ``LAMINA_KERNELS`` names). ``spare`` (``procs`` only): keep one role process started
     ahead, its imports done, so that a role that dies comes back without Python's start and
     imports (an idle process holding torch's memory; off by default)."""
@@ -255,11 +255,10 @@ class InstanceConfig:
             raise ValueError("device_polling='cuda' with in-process memory nodes on the GPU: their "
                              "attention would make CUDA calls while a slice waits on its flag; "
                              "put the memory nodes on the CPU or out of process")
-        if self.device_polling != "off" and self.cuda_graphs and self.placement != "inproc":
+        if self.device_polling != "off" and self.cuda_graphs and self.placement == "ray":
             raise ValueError("device_polling with cuda_graphs (whole decode steps as one graph) "
-                             "runs with in-process memory nodes only so far: the mailbox loop "
-                             f"of a memory node process is not built; got placement "
-                             f"{self.placement!r}")
+                             "needs the memory nodes on the replicas' host, which placement "
+                             "'ray' does not promise: use placement 'inproc' or 'procs'")
         if self.device_polling == "cuda" and device.kind != "cuda":  # cupy: checked at start
             raise ValueError(f"device-side polling needs a CUDA compute device; got "
                              f"device={self.device!r}")

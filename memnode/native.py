@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -35,10 +35,11 @@ from lamina.config import kernels_in_use
 from lamina.kernels import cpp_ext
 from lamina.kernels.dispatch import backend_for
 from lamina.transport import shm_fast
-from lamina.transport.wire import DEFAULT_LIMITS, MsgKind
+from lamina.transport.wire import DEFAULT_LIMITS, DTYPE_CODES, MsgKind
 from lamina.types import AttendMsg, AttendResult, NativeExchange
 
 if TYPE_CHECKING:
+    from lamina.transport.mailbox import Mailbox
     from lamina.memnode.node import MemoryNode
     from lamina.memnode.plan import StepState
 
@@ -48,7 +49,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _RING = Path(shm_fast.__file__).resolve().parent / "csrc"
 EXTENSION = Extension("lamina_attend_plane", (_CSRC / "attend_plane.cpp",),
                       headers=(_RING / "ring_layout.h", _RING / "ring_io.h",
-                               EXCHANGE_HEADER),
+                               _CSRC / "mailbox_io.h", EXCHANGE_HEADER),
                       fallback="the Python ATTEND path")
 IDLE, HANDOFF = 0, 1  # NativePlane.serve's results (checked against the module's at load)
 
@@ -142,6 +143,28 @@ class NativePlane:
     def remove_peer(self, peer: int) -> None:
         """Stop writing to ``peer`` (before its channel closes); under the lock."""
         self._plane.remove_peer(peer)
+
+    def mailbox_poll(self, box: "Mailbox", node: int, seen: torch.Tensor
+                     ) -> Callable[[int, int], tuple[int, int]]:
+        """A poller of ``box``'s SENDs for node index ``node`` in C++ (``mailbox_io.h``):
+        ``poll(spin_ns, yield_every) -> (answered, slot)`` answers each SEND past ``seen``
+        (int64 [slots], the :class:`~lamina.transport.mailbox.MailboxServer`'s, updated) as that
+        server would, without the GIL, taking :attr:`lock` per answer; ``slot`` >= 0: that slot's
+        SEND is the Python server's to answer. ``box`` must outlive the poller."""
+        rows = []
+        for s in range(box.shape.slots):
+            (q_rows, kv_rows), (q, k, v), (o, lse) = (box.rows(s, node), box.qkv(s),
+                                                      box.landing(s, node))
+            rows.append([t.data_ptr() for t in (box.words(s), box.node_words(s, node), q_rows,
+                                                kv_rows, q, k, v, o, lse)])
+        layout = torch.tensor(rows, dtype=torch.int64)
+        sh = box.shape
+        dims = [sh.tokens, sh.heads, sh.kv_heads, sh.dim, DTYPE_CODES[sh.dtype]]
+        plane = self._plane
+
+        def poll(spin_ns: int, yield_every: int) -> tuple[int, int]:
+            return plane.serve_mailbox(layout, seen, dims, spin_ns, yield_every)
+        return poll
 
     def serve(self, ctl: int, data: int, cap: int, tail_addr: int, data_bell: int,
               space_bell: int, spin_ns: int, yield_every: int, budget_ns: int) -> int:

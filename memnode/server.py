@@ -1,7 +1,7 @@
 """The memory-node server: one :class:`~lamina.memnode.MemoryNode` answering the wire protocol,
 the same code under every placement (a process of its own, a Ray actor).
 
-Requests get one reply each, in order: PREPARE/FREE/IMPORT/CANCEL/SHARE/PING -> OK, ATTEND -> RESULT,
+Requests get one reply each, in order: PREPARE/FREE/IMPORT/CANCEL/SHARE/PING/MAILBOX -> OK, ATTEND -> RESULT,
 STATS -> STATS, EXPORT -> KV, OPEN -> OK with a peer channel's endpoint, SHUTDOWN -> OK then
 exit. FREE names either requests (all their KV) or one position range of one request (what a
 KV move leaves behind). A failing request gets an ERROR reply tagged with its step and layer
@@ -11,7 +11,9 @@ Channels: the *primary* one, opened by whoever started the node (the engine's: P
 requests, FREE, STATS, EXPORT/IMPORT, OPEN), and one *peer* channel per compute replica that
 reaches the node (its own instance's replicas and, with borrowing, other instances'). On a peer
 channel an ATTEND's reply goes to the peer named by its ``reply_to`` (the replica that runs the
-micro-batch's next slice); every other reply goes to the sender. One lock
+micro-batch's next slice); every other reply goes to the sender. A MAILBOX on a peer channel
+starts a thread that serves that replica's step mailbox (:mod:`lamina.memnode.mailbox_loop`:
+whole decode steps as one graph) until the peer's channel ends. One lock
 serialises the node and every send on a peer channel, so each ring has one producer. The server
 exits when the primary channel's peer is gone, so it never outlives the engine.
 """
@@ -29,6 +31,7 @@ from lamina import stages
 from lamina.config import KernelConfig, dtype_name, use_kernels
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
+from lamina.memnode.mailbox_loop import MailboxLoop
 from lamina.memnode.native import IDLE, plane_for
 from lamina.memnode.node import MemoryNode
 from lamina.transport import codec
@@ -98,6 +101,7 @@ class NodeServer:
         self.lock = self.plane.lock if self.plane is not None else threading.Lock()
         self.peers: dict[int, Listening] = {}
         self._native_peers: set[int] = set()  # peers whose reply ring the plane writes
+        self.mailboxes: dict[int, tuple[Listening, MailboxLoop]] = {}  # peer -> its link, loop
 
     def serve(self, ch) -> None:
         """Serve the primary channel until SHUTDOWN or its peer is gone; then close peers."""
@@ -109,6 +113,9 @@ class NodeServer:
                 for peer in self._native_peers:
                     self.plane.remove_peer(peer)
                 self._native_peers.clear()
+                loops, self.mailboxes = list(self.mailboxes.values()), {}
+            for _, loop in loops:
+                loop.stop()
             for p in peers:
                 p.close()
 
@@ -157,6 +164,11 @@ class NodeServer:
                         ch.wait_readable()
                         continue
                 msg = ch.recv()  # Python's: the plane handed it over, or there is none
+                if msg.kind == MsgKind.MAILBOX:
+                    reply = self._mailbox(peer, lst, msg)
+                    with self.lock:
+                        ch.send(reply)
+                    continue
                 with self.lock:
                     to = self.peers.get(msg.reply_to) if msg.kind == MsgKind.ATTEND else lst
                     if to is None:  # checked first: a rejected ATTEND changes nothing
@@ -164,6 +176,8 @@ class NodeServer:
                             f"ATTEND reply_to {msg.reply_to}: no such peer"), msg))
                         continue
                     reply = handle(self.node, msg)
+                    if msg.kind == MsgKind.PREPARE and peer in self.mailboxes:
+                        self.mailboxes[peer][1].wake()  # a step through the mailbox is coming
                     try:
                         to.channel().send(reply)
                     except (PeerDied, ChannelClosed, TimeoutError) as e:
@@ -184,7 +198,25 @@ class NodeServer:
                 if self.peers.get(peer) is lst:
                     del self.peers[peer]
                     self._forget_native(peer)
+                mine = self.mailboxes.get(peer)
+                if mine is not None and mine[0] is lst:
+                    del self.mailboxes[peer]
+            if mine is not None and mine[0] is lst:
+                mine[1].stop()
             lst.close()
+
+    def _mailbox(self, peer: int, lst: Listening, msg: Message) -> Message:
+        """Serve the step mailbox ``msg`` names for ``peer`` (in place of any it had)."""
+        try:
+            loop = MailboxLoop(self.node, self.lock, msg.meta, self.spin_us).start()
+        except Exception as e:  # a bad handle: the replica sees the error, the node goes on
+            return error_reply(e, msg)
+        with self.lock:
+            old = self.mailboxes.get(peer)
+            self.mailboxes[peer] = (lst, loop)
+        if old is not None:
+            old[1].stop()
+        return codec.ok()
 
 
 @dataclass

@@ -8,8 +8,9 @@
 #   3. bench/e2e.py --device cuda:0      (decode tok/s: memory nodes on the CPU = NEO's layout,
 #                                         then on the GPU), each against HF on the GPU, and
 #                                         in-process with vs without CUDA graphs, processes
-#                                         with vs without device-side polling, and (NEO's
-#                                         layout) whole decode steps as one graph each
+#                                         with vs without device-side polling, and whole
+#                                         decode steps as one graph each (memory nodes in
+#                                         process and in processes of their own)
 #   4. bench/neo.py --device cuda:0      (NEO's layout against the GPU alone where the GPU's
 #                                         pool holds a quarter of the KV: issue 41's last row)
 #   5. bench/gpu_report.py               (one JSON + one markdown table of all of it)

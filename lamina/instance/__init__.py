@@ -261,7 +261,9 @@ def start_instance(config: DeploymentConfig, inst_id: int, info: ModelInfo,
                                  cuda_graph_tokens=graph_tokens, device_polling=icfg.device_polling,
                                  micro_batches=icfg.pipeline.micro_batches,
                                  max_step_tokens=config.scheduler.max_num_batched_tokens,
-                                 kernels=asdict(icfg.kernels))
+                                 kernels=asdict(icfg.kernels),
+                                 step_graph_tokens=(config.scheduler.max_num_seqs if whole_steps
+                                                    else 0))
         try:
             with stage("roles"):  # nodes and replicas start side by side
                 worker = RemoteReplicas(launcher, template, nodes_ready, icfg.pipeline,

@@ -11,7 +11,8 @@ writes)::
     words    int64[8]   SEND (the device: BASE + layer + 1 once the layer's q/k/v are in),
                         BASE (the host, per step), STEP (its id), TOKENS (rows in use),
                         MISSED (a device wait gave up)
-    per node int64[8]   REPLY (the node: the SEND value it answered), STATUS (0, or FAILED),
+    per node int64[8]   REPLY (the node: the SEND value it answered), STATUS (0; FAILED, or
+                        GONE: a stand-in for a dead node; kept for the step once set),
                         NQ, NA (its query and appended rows this step)
              int64[Tp]  q_rows, int64[Tp] kv_rows (rows of the step, in its works' order)
              uint8[256] the error text of a FAILED answer
@@ -29,24 +30,41 @@ k+1's q/k/v only after every node answered layer k, and a node reads them before
 Contract: ``buffer`` is uint8 of :meth:`MailboxShape.nbytes` on any device (the host's mapping
 or a CUDA alias of it); the section of a slot is touched by its one micro-batch at a time.
 A node answers every SEND, failing or not, so the device never waits on a node that is up; a
-node that is gone is found by the device's bounded wait (MISSED).
+node that is gone is found by the device's bounded wait (MISSED), or sooner by a stand-in on
+the compute side that answers FAILED in its place (a :class:`MailboxServer` whose attend
+raises). An ATTEND that cannot run yet (:class:`NotReady`: a node in another process may see
+SEND before the step's PREPARE, which travels on its ring) is polled again, for at most
+``ready_timeout_s``.
+
+Across processes (a memory node in a process of its own) the buffer is a memory file of the
+compute side's process (:class:`SharedMailbox`), which a node maps by the handle in a MAILBOX
+message (:func:`map_shared`); nothing is named on disk, so nothing is left behind whoever dies.
 """
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
-from typing import Callable
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 import torch
 
+from lamina.errors import NodeFailure
 from lamina.transport.ring_memory import fence
 from lamina.types import AttendMsg, AttendResult, NodeRoute
 
 SEND, BASE, STEP, TOKENS, MISSED = range(5)  # slot words
 REPLY, STATUS, NQ, NA = range(4)  # node words
-FAILED = 1
+FAILED, GONE = 1, 2  # STATUS: a layer failed; the node is gone (NodeFailure)
 ERROR_BYTES = 256
+READY_TIMEOUT_S = 10.0  # how long a SEND may wait for its step's PREPARE
 _LINE = 64
+
+
+class NotReady(Exception):
+    """An attend that cannot run yet (its step is not prepared); :class:`MailboxServer` polls
+    it again."""
 
 
 def _up(n: int) -> int:
@@ -86,11 +104,59 @@ class MailboxShape:
     def nbytes(self) -> int:
         return self.slots * self.section_bytes()
 
+    def to_meta(self) -> dict[str, Any]:
+        """The shape as JSON-able plain data (:meth:`from_meta`)."""
+        return {**asdict(self), "dtype": str(self.dtype).removeprefix("torch.")}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> "MailboxShape":
+        dtype = getattr(torch, str(meta["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"a mailbox shape with dtype {meta['dtype']!r}")
+        return cls(*(int(meta[k]) for k in ("slots", "nodes", "tokens", "heads", "kv_heads",
+                                             "dim")), dtype)
+
 
 def host_buffer(shape: MailboxShape) -> torch.Tensor:
     """A zeroed, page-aligned host buffer for ``shape``: an anonymous mapping (which
     ``cudaHostRegister`` can map into a GPU), kept alive by the tensor."""
     return torch.frombuffer(mmap.mmap(-1, shape.nbytes()), dtype=torch.uint8)
+
+
+class SharedMailbox:
+    """A zeroed buffer for ``shape`` in a memory file (``memfd``) of this process, which other
+    processes of this host and user map by :attr:`handle` (:func:`map_shared`) for as long as
+    it is open; :meth:`close` releases the file (mappings stay valid)."""
+
+    def __init__(self, shape: MailboxShape) -> None:
+        self.shape = shape
+        self.fd = os.memfd_create("lamina-mailbox", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, shape.nbytes())
+        self.buffer = torch.frombuffer(mmap.mmap(self.fd, shape.nbytes()), dtype=torch.uint8)
+
+    @property
+    def handle(self) -> dict[str, Any]:
+        """What a MAILBOX message carries: the file's path as another process opens it, and
+        the shape."""
+        return {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "shape": self.shape.to_meta()}
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def map_shared(handle: dict[str, Any]) -> Mailbox:
+    """The mailbox of another process's :attr:`SharedMailbox.handle`, mapped here."""
+    shape = MailboxShape.from_meta(handle["shape"])
+    fd = os.open(str(handle["path"]), os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < shape.nbytes():
+            raise ValueError(f"the mailbox file {handle['path']} is smaller than its shape")
+        buffer = torch.frombuffer(mmap.mmap(fd, shape.nbytes()), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+    return Mailbox(shape, buffer)
 
 
 class Mailbox:
@@ -183,7 +249,7 @@ class Mailbox:
             o, lse = self.landing(slot, n)
             o[:padded].zero_()
             lse[:padded].fill_(float("-inf"))
-            self.node_words(slot, n)[NQ:NA + 1] = 0
+            self.node_words(slot, n)[STATUS:NA + 1] = 0  # a failed layer stays FAILED
         for r in routes:
             w = self.node_words(slot, r.node)
             q_rows, kv_rows = self.rows(slot, r.node)
@@ -199,47 +265,58 @@ class Mailbox:
         return base
 
     def check(self, slot: int) -> None:
-        """After slot ``slot``'s step: raise if a device wait gave up or a node failed."""
+        """After slot ``slot``'s step: raise if a device wait gave up or a node failed
+        (:class:`NodeFailure` where a node is gone or stopped answering)."""
         words = self.words(slot)
         if int(words[MISSED]):
             words[MISSED] = 0
-            raise RuntimeError(f"a device wait on mailbox slot {slot} gave up before every memory "
+            raise NodeFailure(f"a device wait on mailbox slot {slot} gave up before every memory "
                                "node answered (a node stopped answering); the step is void")
         for n in range(self.shape.nodes):
             w = self.node_words(slot, n)
-            if int(w[STATUS]) == FAILED:
+            status = int(w[STATUS])
+            if status in (FAILED, GONE):
                 w[STATUS] = 0
                 text = bytes(self.error(slot, n).tolist()).rstrip(b"\0").decode(errors="replace")
-                raise RuntimeError(f"memory node {n} failed step {int(words[STEP])}: {text}")
+                error = NodeFailure if status == GONE else RuntimeError
+                raise error(f"memory node {n} failed step {int(words[STEP])}: {text}")
 
 
 class MailboxServer:
     """A memory node's side of ``box`` (node index ``node``): :meth:`poll` answers every SEND
     that moved since the last poll, each by ``attend(AttendMsg) -> AttendResult`` (the node's
     :meth:`~lamina.memnode.node.MemoryNode.attend`). An exception there is this step's
-    answer (STATUS FAILED with its text), never this loop's end."""
+    answer (STATUS FAILED with its text), never this loop's end; :class:`NotReady` leaves
+    the SEND for a later poll, for at most ``ready_timeout_s``. It starts after the SENDs its
+    node index already answered (REPLY: a node that takes a dead one's place does not answer
+    them again)."""
 
-    def __init__(self, box: Mailbox, node: int, attend: Callable[[AttendMsg], AttendResult]) -> None:
+    def __init__(self, box: Mailbox, node: int, attend: Callable[[AttendMsg], AttendResult],
+                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         box._check_node(node)
         self.box, self.node, self.attend = box, node, attend
-        self.seen = [0] * box.shape.slots
+        self.ready_timeout_s = ready_timeout_s
         self.served = 0
         slots = range(box.shape.slots)  # the words polled, viewed once
         self._words = [box.words(s) for s in slots]
         self._mine = [box.node_words(s, node) for s in slots]
+        self.seen = torch.tensor([int(m[REPLY]) for m in self._mine], dtype=torch.int64)
+        self._not_ready: dict[int, tuple[int, float]] = {}  # slot -> (its SEND, first try)
 
     def poll(self) -> bool:
         """Answer what is waiting in every slot; whether anything was."""
         done = False
         for slot in range(self.box.shape.slots):
-            while self._answer(slot):
+            while self.answer(slot):
                 done = True
         return done
 
-    def _answer(self, slot: int) -> bool:
-        box, words, mine = self.box, self._words[slot], self._mine[slot]
+    def answer(self, slot: int) -> bool:
+        """Answer ``slot``'s SEND if it moved past :attr:`seen` (int64 [slots]: the last SEND
+        answered per slot, which a native poller shares); whether it did."""
+        words, mine = self._words[slot], self._mine[slot]
         send = int(words[SEND])
-        if send <= self.seen[slot]:
+        if send <= int(self.seen[slot]):
             return False
         fence()  # SEND read before the bytes it covers
         step, layer = int(words[STEP]), send - int(words[BASE]) - 1
@@ -247,18 +324,30 @@ class MailboxServer:
         if nq or na:
             try:
                 self._attend(slot, step, layer, nq, na)
-                mine[STATUS] = 0
+            except NotReady as e:
+                now = time.monotonic()
+                first = self._not_ready.get(slot)
+                if first is None or first[0] != send:
+                    first = self._not_ready[slot] = (send, now)
+                if now - first[1] < self.ready_timeout_s:
+                    return False  # polled again
+                self._failed(slot, TimeoutError(f"step {step} was not ready within "
+                                                f"{self.ready_timeout_s:g} s: {e}"))
             except Exception as e:  # noqa: BLE001 - the step's answer, not the loop's end
-                text = f"{type(e).__name__}: {e}".encode()[:ERROR_BYTES - 1]
-                err = box.error(slot, self.node)
-                err.zero_()
-                err[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-                mine[STATUS] = FAILED
+                self._failed(slot, e)
+        self._not_ready.pop(slot, None)
         fence()  # the answer's bytes before REPLY
         mine[REPLY] = send
         self.seen[slot] = send
         self.served += 1
         return True
+
+    def _failed(self, slot: int, e: BaseException) -> None:
+        text = f"{type(e).__name__}: {e}".encode()[:ERROR_BYTES - 1]
+        err = self.box.error(slot, self.node)
+        err.zero_()
+        err[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        self._mine[slot][STATUS] = GONE if isinstance(e, NodeFailure) else FAILED
 
     def _attend(self, slot: int, step: int, layer: int, nq: int, na: int) -> None:
         box = self.box

@@ -85,6 +85,7 @@ class MsgKind(IntEnum):
     RESET = 18  # engine -> compute replica: drop every micro-batch in flight (after an error)
     CANCEL = 19  # engine -> memory node: roll back steps dropped in flight (after a role died)
     SHARE = 20  # engine -> memory node: a shard shares other shards' slots (prefix caching)
+    MAILBOX = 21  # compute replica -> memory node: serve its step mailbox (lamina.transport.mailbox)
 
 
 _DTYPE_CODES: dict[torch.dtype, int] = {

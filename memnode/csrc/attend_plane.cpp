@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "exchange.h"
+#include "mailbox_io.h"
 #include "ring_io.h"
 
 namespace py = pybind11;
@@ -260,6 +261,46 @@ class AttendPlane {
     }
     if (!ok) return py::none();
     return py::make_tuple(o, lse, t0, t1);
+  }
+
+  // A step mailbox's SENDs for this node answered without the GIL (mailbox_io.h poll()):
+  // layout int64 [slots, 9] of addresses (MailboxLoop's), seen int64 [slots] (updated); dims
+  // (tokens, heads, kv_heads, dim, the wire dtype code of q/k/v/o). Each answer takes the lock.
+  // Returns (SENDs answered, the slot whose SEND is Python's or -1).
+  std::pair<int64_t, int64_t> serve_mailbox(const at::Tensor& layout, const at::Tensor& seen,
+                                            const std::vector<int64_t>& dims, int64_t spin_ns,
+                                            int64_t yield_every) {
+    using namespace lamina_mailbox;
+    TORCH_CHECK(layout.scalar_type() == at::kLong && layout.is_contiguous() && layout.dim() == 2 &&
+                    layout.size(1) == kSlotFields && seen.scalar_type() == at::kLong &&
+                    seen.is_contiguous() && seen.numel() == layout.size(0) && dims.size() == 5,
+                "serve_mailbox: layout int64 [slots, 9], seen int64 [slots], 5 dims");
+    const DType* dt = float_dtype(static_cast<int>(dims[4]));
+    TORCH_CHECK(dt != nullptr, "serve_mailbox: q/k/v in float32, bfloat16 or float16");
+    const Dims d{dims[0], dims[1], dims[2], dims[3], dt->type};
+    const int64_t n = layout.size(0);
+    std::vector<Slot> slots(n);
+    const int64_t* a = layout.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i, a += kSlotFields)
+      slots[i] = {reinterpret_cast<int64_t*>(a[0]), reinterpret_cast<int64_t*>(a[1]),
+                  reinterpret_cast<int64_t*>(a[2]), reinterpret_cast<int64_t*>(a[3]),
+                  reinterpret_cast<void*>(a[4]),    reinterpret_cast<void*>(a[5]),
+                  reinterpret_cast<void*>(a[6]),    reinterpret_cast<void*>(a[7]),
+                  reinterpret_cast<float*>(a[8])};
+    int64_t* seen_at = seen.data_ptr<int64_t>();
+    return without_gil([&]() {
+      return poll(slots.data(), n, seen_at, d, spin_ns, yield_every,
+                  [&](int64_t step, int64_t layer, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, at::Tensor* o, at::Tensor* lse) {
+                    std::lock_guard<std::mutex> guard(mu_);
+                    int64_t t0, t1;
+                    try {
+                      return attend_tensors(step, layer, -1, -1, q, k, v, o, lse, &t0, &t1);
+                    } catch (...) {  // Python attends again and reports what it finds
+                      return false;
+                    }
+                  });
+    });
   }
 
   // The plane as an ExchangeFn (exchange.h) for a whole-step program in this process, under the
@@ -582,6 +623,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("serve", &AttendPlane::serve,
            "serve(ctl, data, cap, tail_addr, data_bell, space_bell, spin_ns, yield_every, "
            "budget_ns) -> IDLE | HANDOFF")
+      .def("serve_mailbox", &AttendPlane::serve_mailbox,
+           "serve_mailbox(layout, seen, dims, spin_ns, yield_every) -> (answered, slot | -1)")
       .def_property_readonly("attend_ns", &AttendPlane::attend_ns)
       .def_property_readonly("served", &AttendPlane::served);
   m.attr("exchange_fn") = py::capsule(reinterpret_cast<void*>(&AttendPlane::exchange),

@@ -51,11 +51,13 @@ def test_host_wait_serves_until_the_reply_and_gives_up_as_the_device_does():
         box.check(0)
 
 
-def test_config_takes_graphs_with_polling_in_process_and_refuses_them_elsewhere():
-    cfg = deployment_config("x", cuda_graphs=True, device_polling="emulated")
-    assert cfg.instance.cuda_graphs and cfg.instance.device_polling == "emulated"
-    with pytest.raises(ValueError, match="in-process memory nodes only"):
-        deployment_config("x", cuda_graphs=True, device_polling="emulated", placement="procs")
+def test_config_takes_graphs_with_polling_on_one_host_and_refuses_them_under_ray():
+    for placement in ("inproc", "procs"):
+        cfg = deployment_config("x", cuda_graphs=True, device_polling="emulated",
+                                placement=placement)
+        assert cfg.instance.cuda_graphs and cfg.instance.device_polling == "emulated"
+    with pytest.raises(ValueError, match="needs the memory nodes on the replicas' host"):
+        deployment_config("x", cuda_graphs=True, device_polling="emulated", placement="ray")
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA compute device"):
         deployment_config("x", cuda_graphs=True)
 

@@ -32,13 +32,17 @@ def test_prelaunched_slices_keep_greedy_output(tiny, tmp_path, placement):
     assert any(n.endswith("(landed)") for n in names), sorted(names)[:10]
 
 
-def test_whole_step_graphs_keep_greedy_output(tiny, tmp_path):
+@pytest.mark.parametrize("placement", ["procs", "inproc"])
+def test_whole_step_graphs_keep_greedy_output(tiny, tmp_path, placement):
     """``cuda_graphs`` with ``device_polling="emulated"``: each decode step is one (CPU
     stand-in) graph of every slice with its sends and waits over the step mailbox, two nodes
-    answering through it; outputs equal to HF, and the timeline shows whole-step launches."""
+    answering through it (under ``procs`` from their own processes, over the replica
+    process's shared mailbox); outputs equal to HF, and the timeline shows whole-step
+    launches."""
     folder, want = tiny
-    with LLM(str(folder), memory=2, micro_batches=2, pipeline="rotational", cuda_graphs=True,
-             device_polling="emulated", trace=str(tmp_path / "run.json")) as llm:
+    with LLM(str(folder), memory=2, placement=placement, micro_batches=2, pipeline="rotational",
+             cuda_graphs=True, device_polling="emulated",
+             trace=str(tmp_path / "run.json")) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         names = {s.name for s in llm.timeline.spans if s.role == "compute"}
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -46,9 +50,11 @@ def test_whole_step_graphs_keep_greedy_output(tiny, tmp_path):
 
 
 @pytest.mark.gpu
-def test_whole_step_cuda_graphs_with_host_memory_nodes(tiny):
+@pytest.mark.parametrize("placement", ["inproc", "procs"])
+def test_whole_step_cuda_graphs_with_host_memory_nodes(tiny, placement):
     """The same on a GPU: each decode step one CUDA graph waiting on the mailbox's flags,
-    memory nodes on the host's cores (NEO's layout) answering from this process."""
+    memory nodes on the host's cores (NEO's layout) answering from this process or from
+    processes of their own."""
     import torch
 
     from lamina.computenode.device_wait import unavailable
@@ -56,6 +62,31 @@ def test_whole_step_cuda_graphs_with_host_memory_nodes(tiny):
         pytest.skip(unavailable() if torch.cuda.is_available() else "needs a CUDA GPU")
     folder, want = tiny
     with LLM(str(folder), memory=2, device="cuda:0", memory_device="cpu", cuda_graphs=True,
-             device_polling="cuda") as llm:
+             device_polling="cuda", placement=placement) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_whole_step_graphs_survive_a_killed_memory_node(tiny):
+    """Whole-step graphs (emulated) under ``procs``: kill -9 of a memory node mid-generation
+    fails the step in flight (a stand-in answers the dead node's SENDs FAILED), the node is
+    restarted alone and joins the replica's mailbox, and every request ends with its
+    unfaulted greedy output."""
+    import os
+    import signal
+
+    folder, _ = tiny
+    prompts, params = PROMPTS[:4], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(str(folder), memory=2, placement="procs", cuda_graphs=True,
+             device_polling="emulated") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        got: list[list[int]] = [[] for _ in prompts]
+        stream = llm.generate_stream(prompts, params)
+        d = next(stream)
+        got[d.index] += d.token_ids
+        os.kill(llm.deployment.instances[0].nodes[1].process.pid, signal.SIGKILL)
+        for d in stream:
+            assert d.finish_reason != "error", d
+            got[d.index] += d.token_ids
+        assert got == want
+        assert (llm.deployment.recoveries, llm.deployment.node_restarts) == (1, 1)

@@ -87,6 +87,57 @@ def test_attend_replies_go_to_the_reply_to_peer(served, kind):
     peers[0].close()
 
 
+def test_a_peer_s_mailbox_is_served_until_its_link_ends(served):
+    """MAILBOX on a peer channel: the node serves that step mailbox from a thread (an ATTEND
+    through it equals one over the ring); a bad handle is an ERROR and the node serves on; the
+    peer's link ending stops the thread."""
+    from lamina.transport.mailbox import REPLY, SEND, Mailbox, MailboxShape, SharedMailbox
+    from lamina.transport.wire import Message
+
+    server, client = served
+    peer = connect(client.open_peer(0, "shm"))
+    shape = MailboxShape(1, 1, 4, 2, 1, 4)
+    shared = SharedMailbox(shape)
+    box = Mailbox(shape, shared.buffer)
+    peer.send(Message(MsgKind.MAILBOX, step_id=-2, meta={"path": "/nonexistent", "node": 0,
+                                                         "shape": shape.to_meta()}))
+    error = peer.recv(5)
+    assert (error.kind, error.step_id) == (MsgKind.ERROR, -2)
+    with pytest.raises(OSError, match="No such file"):
+        codec.raise_if_error(error)
+    peer.send(Message(MsgKind.MAILBOX, meta={**shared.handle, "node": 0}))
+    assert peer.recv(5).kind == MsgKind.OK and 0 in server.mailboxes
+    works = [ShardWork(7, 0, 3, 0, 3)]
+    peer.send(codec.to_message(PrepareMsg(1, works)))
+    assert peer.recv(5).kind == MsgKind.OK
+    r = NodeRoute.__new__(NodeRoute)
+    r.node, r.works, r.span, r.q_rows = 0, works, None, torch.arange(3)
+    r.kv_rows = r.q_rows
+    base = box.post(0, 1, 3, [r], layers=1)
+    q, k, v = box.qkv(0)
+    for t, new in zip((q[:3], k[:3], v[:3]), _qkv(3, 0)):
+        t.copy_(new)
+    box.words(0)[SEND] = base + 1
+    for _ in range(200):
+        if int(box.node_words(0, 0)[REPLY]) == base + 1:
+            break
+        threading.Event().wait(0.01)
+    box.check(0)
+    ref = MemoryNode([SPEC], 64, slab_size=4)
+    ref.prepare(PrepareMsg(1, works))
+    want = ref.attend(AttendMsg(1, 0, *_qkv(3, 0)))
+    o, lse = box.landing(0, 0)
+    assert torch.equal(o[:3], want.o) and torch.equal(lse[:3], want.lse)
+    loop = server.mailboxes[0][1]
+    peer.close()
+    for _ in range(100):
+        if 0 not in server.mailboxes:
+            break
+        threading.Event().wait(0.05)
+    assert 0 not in server.mailboxes and not loop._thread.is_alive()
+    shared.close()
+
+
 def test_step_message_carries_uniforms_over_the_wire():
     plan = StepPlan(4, 1, [Segment(9, 0, 2)], torch.tensor([5, 6]), torch.tensor([0, 1]),
                     torch.tensor([1]))

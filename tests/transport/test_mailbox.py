@@ -3,8 +3,10 @@ answers (rows scattered, failures reported as the step's answer), and the host's
 import pytest
 import torch
 
-from lamina.transport.mailbox import (BASE, FAILED, MISSED, NQ, REPLY, SEND, STATUS, STEP,
-                                      TOKENS, Mailbox, MailboxServer, MailboxShape, host_buffer)
+from lamina.errors import NodeFailure
+from lamina.transport.mailbox import (BASE, FAILED, GONE, MISSED, NQ, REPLY, SEND, STATUS, STEP,
+                                      TOKENS, Mailbox, MailboxServer, MailboxShape, NotReady,
+                                      SharedMailbox, host_buffer, map_shared)
 from lamina.types import AttendResult, NodeRoute
 
 SHAPE = MailboxShape(slots=2, nodes=2, tokens=5, heads=3, kv_heads=1, dim=4)
@@ -110,3 +112,132 @@ def test_a_failed_attend_is_the_steps_answer_and_the_host_raises_it():
     box.words(1)[MISSED] = 1
     with pytest.raises(RuntimeError, match="gave up"):
         box.check(1)
+
+
+def _echo(msg):
+    return AttendResult(msg.step_id, msg.layer, msg.q * 2, msg.q[..., 0] * 0)
+
+
+def test_a_failed_layer_fails_the_step_even_when_later_layers_answer():
+    box = _box()
+    fail = {1}
+
+    def attend(msg):
+        if msg.layer in fail:
+            raise ValueError(f"layer {msg.layer} broke")
+        return _echo(msg)
+
+    server = MailboxServer(box, 0, attend)
+    base = box.post(0, 3, 1, [_route(0, [0])], layers=3)
+    for layer in range(3):
+        box.words(0)[SEND] = base + layer + 1
+        assert server.poll()
+    with pytest.raises(RuntimeError, match="memory node 0 failed step 3: ValueError: layer 1"):
+        box.check(0)
+    fail.clear()
+    base = box.post(0, 4, 1, [_route(0, [0])], layers=3)  # the next step starts clean
+    box.words(0)[SEND] = base + 1
+    assert server.poll()
+    box.check(0)
+
+
+def test_not_ready_is_polled_again_then_answered_or_timed_out():
+    box = _box()
+    ready = []
+
+    def attend(msg):
+        if not ready:
+            raise NotReady(f"step {msg.step_id} is not prepared on this node")
+        return _echo(msg)
+
+    server = MailboxServer(box, 0, attend)
+    base = box.post(0, 8, 2, [_route(0, [0, 1])], layers=2)
+    box.words(0)[SEND] = base + 1
+    assert not server.poll() and not server.poll()  # left for later, not answered
+    assert int(box.node_words(0, 0)[REPLY]) == 0
+    ready.append(True)
+    assert server.poll() and int(box.node_words(0, 0)[REPLY]) == base + 1
+    box.check(0)
+
+    ready.clear()
+    server.ready_timeout_s = 0.0  # never ready in time: FAILED with what it waited for
+    box.words(0)[SEND] = base + 2
+    assert server.poll()
+    with pytest.raises(RuntimeError, match="step 8 was not ready within 0 s: step 8 is not"):
+        box.check(0)
+
+
+def test_a_gone_node_and_a_missed_wait_are_node_failures():
+    box = _box()
+
+    def gone(msg):
+        raise NodeFailure("memory node 1 is gone")
+
+    stand_in = MailboxServer(box, 1, gone)
+    base = box.post(0, 2, 1, [_route(1, [0])], layers=1)
+    box.words(0)[SEND] = base + 1
+    assert stand_in.poll() and int(box.node_words(0, 1)[STATUS]) == GONE
+    with pytest.raises(NodeFailure, match="memory node 1 failed step 2: NodeFailure: memory "):
+        box.check(0)
+    box.words(0)[MISSED] = 1
+    with pytest.raises(NodeFailure, match="gave up"):
+        box.check(0)
+
+
+def test_a_server_starts_after_what_its_node_index_answered():
+    """A node that takes a dead one's place (or attaches late) answers only new SENDs."""
+    box = _box()
+    base = box.post(0, 1, 1, [_route(0, [0])], layers=2)
+    box.words(0)[SEND] = base + 1
+    box.node_words(0, 0)[REPLY] = base + 1  # answered by whoever served index 0 before
+    calls = []
+    server = MailboxServer(box, 0, lambda m: calls.append(m) or _echo(m))
+    assert not server.poll() and calls == []
+    box.words(0)[SEND] = base + 2
+    assert server.poll() and [m.layer for m in calls] == [1]
+
+
+def test_shape_travels_as_plain_data():
+    shape = MailboxShape(2, 3, 16, 9, 3, 64, torch.bfloat16)
+    assert MailboxShape.from_meta(shape.to_meta()) == shape
+    with pytest.raises(ValueError, match="dtype 'Linear'"):
+        MailboxShape.from_meta({**shape.to_meta(), "dtype": "Linear"})
+
+
+_CHILD = """
+import json, sys, time
+import torch
+from lamina.transport.mailbox import MailboxServer, map_shared
+from lamina.types import AttendResult
+box = map_shared(json.loads(sys.argv[1]))
+server = MailboxServer(box, 1, lambda m: AttendResult(m.step_id, m.layer, m.q + 5,
+                                                      m.q[..., 0] * 0 + 3))
+deadline = time.monotonic() + 60
+while not server.poll() and time.monotonic() < deadline:
+    time.sleep(0.001)
+"""
+
+
+def test_another_process_maps_the_shared_mailbox_and_answers_through_it():
+    import json
+    import subprocess
+    import sys
+
+    shared = SharedMailbox(SHAPE)
+    box = Mailbox(SHAPE, shared.buffer)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(shared.handle)])
+    try:
+        base = box.post(1, 6, 2, [_route(1, [1, 0])], layers=1)
+        q, _, _ = box.qkv(1)
+        q.copy_(torch.randn_like(q))
+        box.words(1)[SEND] = base + 1
+        assert child.wait(timeout=120) == 0
+    finally:
+        child.kill()
+        shared.close()
+    assert int(box.node_words(1, 1)[REPLY]) == base + 1
+    o, lse = box.landing(1, 1)
+    assert torch.equal(o[:2], q[:2] + 5) and torch.equal(lse[:2], torch.full((2, 3), 3.0))
+    box.check(1)
+    with pytest.raises((FileNotFoundError, ValueError)):  # closed: no process maps it any more
+        map_shared(shared.handle)
