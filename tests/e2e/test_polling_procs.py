@@ -67,26 +67,41 @@ def test_whole_step_cuda_graphs_with_host_memory_nodes(tiny, placement):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_whole_step_graphs_survive_a_killed_memory_node(tiny):
+@pytest.mark.parametrize("victim", ["memory node", "compute replica"])
+def test_whole_step_graphs_survive_a_killed_role(tiny, tmp_path, victim):
     """Whole-step graphs (emulated) under ``procs``: kill -9 of a memory node mid-generation
     fails the step in flight (a stand-in answers the dead node's SENDs FAILED), the node is
-    restarted alone and joins the replica's mailbox, and every request ends with its
-    unfaulted greedy output."""
+    restarted alone and joins the replica's mailbox; a killed replica is restarted with a
+    mailbox of its own, which every node then serves. Every request ends with its unfaulted
+    greedy output."""
     import os
     import signal
 
     folder, _ = tiny
     prompts, params = PROMPTS[:4], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     with LLM(str(folder), memory=2, placement="procs", cuda_graphs=True,
-             device_polling="emulated") as llm:
+             device_polling="emulated", trace=str(tmp_path / "run.json")) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         got: list[list[int]] = [[] for _ in prompts]
         stream = llm.generate_stream(prompts, params)
         d = next(stream)
         got[d.index] += d.token_ids
-        os.kill(llm.deployment.instances[0].nodes[1].process.pid, signal.SIGKILL)
+        inst = llm.deployment.instances[0]
+        node = victim == "memory node"
+        os.kill(inst.nodes[1].process.pid if node else inst.engine.worker.procs[0].pid,
+                signal.SIGKILL)
         for d in stream:
             assert d.finish_reason != "error", d
             got[d.index] += d.token_ids
         assert got == want
-        assert (llm.deployment.recoveries, llm.deployment.node_restarts) == (1, 1)
+        d = llm.deployment
+        assert (d.recoveries, d.node_restarts, d.replica_restarts) == ((1, 1, 0) if node
+                                                                       else (1, 0, 1))
+        graphs = _graph_steps(llm)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                             use_tqdm=False)] == want
+        assert _graph_steps(llm) > graphs  # the restarted role is back on whole-step graphs
+
+
+def _graph_steps(llm) -> int:
+    return sum(s.name == "step (graph) + sample" for s in llm.timeline.spans)
