@@ -29,6 +29,7 @@ from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, AttendResult
 
 CHECK_S = 0.01  # how often a running step checks that its nodes are alive
+MAILBOX_STEP = -2  # the step id of a MAILBOX (the node's ERROR for it fails every step)
 
 
 class RemoteSteps:
@@ -61,7 +62,7 @@ class RemoteSteps:
             return None
         self.links[k] = link
         self.stand_ins.pop(k, None)
-        return Message(MsgKind.MAILBOX, meta={**self.shared.handle, "node": k})
+        return Message(MsgKind.MAILBOX, MAILBOX_STEP, meta={**self.shared.handle, "node": k})
 
     def serve(self) -> bool:
         """What a running step does meanwhile: stand in for the nodes found dead (whether it

@@ -32,13 +32,14 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lamina import stages
 from lamina.computenode.inbox import WAKE_S, Inbox
 from lamina.computenode.polling import eager_module_loading, make_polling
+from lamina.computenode.remote_steps import MAILBOX_STEP, RemoteSteps
 from lamina.computenode.gguf_linear import blocks_for
 from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.runner import MicroBatch, SliceRunner
@@ -53,11 +54,7 @@ from lamina.transport.step_codec import parse_step, step_uniforms, tokens_messag
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, AttendResult, NativeExchange, PrepareMsg
 
-if TYPE_CHECKING:
-    from lamina.computenode.remote_steps import RemoteSteps
-
 codec.register_error(NodeFailure)
-MAILBOX_STEP = -2  # the step id of a MAILBOX (its ERROR fails every step)
 
 
 @dataclass
@@ -262,7 +259,6 @@ class ReplicaServer:
         if not self.cfg.step_graph_tokens:
             return
         if self.steps is None:
-            from lamina.computenode.remote_steps import RemoteSteps
             replica = self.runner.replicas[self.cfg.index]
             with stages.stage("step graphs"):
                 self.steps = RemoteSteps(self.cfg.device_polling, replica.split, self.cfg.index,
@@ -271,9 +267,7 @@ class ReplicaServer:
                                          self.nodes)
             self.runner.step_graphs, self.runner.serve = self.steps.graphs, self.steps.serve
         for k in nodes:
-            msg = self.steps.attach(k, self.nodes[k])
-            if msg is not None:
-                msg.step_id = MAILBOX_STEP
+            if (msg := self.steps.attach(k, self.nodes[k])) is not None:
                 self._send(("node", k), msg)
 
     def _step(self, msg: Message) -> None:
