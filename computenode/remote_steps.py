@@ -9,7 +9,7 @@ message on its peer link (:meth:`RemoteSteps.attach`), then serves from a thread
 there run slice by slice.
 
 While a graph runs, the replica's thread watches the nodes' liveness (:meth:`RemoteSteps.serve`,
-at most every ``CHECK_S``): for a node found dead a stand-in answers every SEND FAILED, so the
+at most every ``CHECK_S``): for a node found dead a stand-in answers every SEND GONE, so the
 step ends at once with the node named instead of at the device wait's timeout; the engine's
 recovery then starts a node in its place, which :meth:`RemoteSteps.attach` joins to the
 mailbox from the SENDs answered so far.

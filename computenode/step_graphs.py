@@ -15,8 +15,8 @@ Memory nodes answer from their own loop (:class:`~lamina.transport.mailbox.Mailb
 For nodes in the engine's process, the launching thread runs their loop until the graph is
 done (``serve``); a node in a process of its own runs it on a thread there
 (:mod:`lamina.memnode.mailbox_loop`) over a mailbox the replica's process shares
-(:mod:`lamina.computenode.remote_steps`). A step the graphs cannot hold (more tokens than the largest size, a route to
-a node the mailbox does not know) runs the slice-by-slice path.
+(:mod:`lamina.computenode.remote_steps`). A step the graphs cannot hold (more tokens than the
+largest size, a route to a node the mailbox does not know) runs the slice-by-slice path.
 
 Capability: the CUDA path needs cupy and host memory the GPU can map
 (:func:`lamina.computenode.device_wait.unavailable`); :class:`HostFlags` with

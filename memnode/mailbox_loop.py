@@ -42,7 +42,6 @@ class MailboxLoop:
         plane = getattr(node, "plane", None)
         self.native = None if plane is None else plane.mailbox_poll(box, self.server.node,
                                                                     self.server.seen)
-        self.box = box  # the native poller reads its memory
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
