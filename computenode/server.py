@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,48 +41,21 @@ from lamina.computenode.polling import eager_module_loading, make_polling
 from lamina.computenode.remote_steps import MAILBOX_STEP, RemoteSteps
 from lamina.computenode.gguf_linear import blocks_for
 from lamina.computenode.replica import ComputeReplica
-from lamina.computenode.runner import MicroBatch, SliceRunner
+from lamina.computenode.replica_config import ReplicaConfig
+from lamina.computenode.microbatch import MicroBatch
+from lamina.computenode.runner import SliceRunner
 from lamina.config import KernelConfig, PipelineConfig, use_kernels
 from lamina.device import own_cores
 from lamina.errors import NodeFailure
 from lamina.transport import codec
 from lamina.transport.base import ChannelClosed, PeerDied, serve_loop
-from lamina.transport.endpoint import SPIN_US, connect, listen
+from lamina.transport.endpoint import connect, listen
 from lamina.transport.ring import RingChannel
 from lamina.transport.step_codec import parse_step, step_uniforms, tokens_message
 from lamina.transport.wire import Message, MsgKind
 from lamina.types import AttendMsg, AttendResult, NativeExchange, PrepareMsg
 
 codec.register_error(NodeFailure)
-
-
-@dataclass
-class ReplicaConfig:
-    """What a replica process needs besides its channels (plain data, sent at spawn)."""
-
-    model: str
-    device: str
-    dtype: str | None
-    index: int
-    replicas: int
-    schedule: str
-    attn_parts: int = 1
-    num_threads: int = 1
-    trace: bool = False  # record timeline spans and send them with TOKENS
-    peer_base: int = 0  # this instance's replica i is peer ``peer_base + i`` on memory nodes
-    cores: list[int] | None = None  # CPU cores owned: pinned, one thread each (None: num_threads)
-    cuda_graph_tokens: int = 0  # capture CUDA graphs for steps of up to this many tokens (0: off)
-    device_polling: str = "off"  # off | cuda | emulated (lamina.computenode.polling)
-    micro_batches: int = 1  # slots in flight and ...
-    max_step_tokens: int = 0  # ... tokens per micro-batch: polling's staging, made up front
-    kernels: dict | None = None  # the KernelConfig's fields (None: the process's default)
-    spin_us: float = SPIN_US  # how long receivers poll before sleeping (0: cores shared)
-    idle_spin_us: float = SPIN_US  # how long the main thread polls its node rings when idle
-    step_graph_tokens: int = 0  # whole decode steps of up to this many tokens as one graph (0: off)
-
-    def torch_dtype(self) -> torch.dtype:
-        from lamina.models import default_dtype
-        return getattr(torch, self.dtype) if self.dtype else default_dtype(torch.device(self.device))
 
 
 def serve_replica(endpoint: dict, config: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ ID_STRIDE = 1 << 40  # an engine's request and step ids: [id_base, id_base + ID_
 
 @dataclass
 class InFlight:
-    """A micro-batch in flight as the engine keeps it (the replicas': ``runner.MicroBatch``)."""
+    """A micro-batch in flight as the engine keeps it (the replicas': ``microbatch.MicroBatch``)."""
 
     plan: StepPlan
     segs: list[ScheduledSegment]

@@ -28,7 +28,7 @@ from lamina.computenode.polling import make_polling
 from lamina.computenode.gguf_linear import blocks_for
 from lamina.computenode.replica import ComputeReplica
 from lamina.computenode.sampling import Sampler
-from lamina.computenode.server import ReplicaConfig
+from lamina.computenode.replica_config import ReplicaConfig
 from lamina.config import CacheConfig, DeploymentConfig, dtype_name
 from lamina.device import Device, exclusive, own_cores, parse
 from lamina.engine.engine import ID_STRIDE, Engine

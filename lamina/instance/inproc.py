@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 
 from lamina.computenode.replica import ComputeReplica
-from lamina.computenode.runner import MicroBatch, SliceRunner
+from lamina.computenode.microbatch import MicroBatch
+from lamina.computenode.runner import SliceRunner
 from lamina.config import PipelineConfig
 from lamina.engine.worker import WorkerClient, WorkerTimes
 from lamina.timeline import Timeline

@@ -29,7 +29,8 @@ from typing import Any, Callable
 from lamina.config import PipelineConfig
 from lamina.computenode.sampling import Sampler
 from lamina.computenode.schedule import replica_for
-from lamina.computenode.server import ReplicaConfig, serve_replica
+from lamina.computenode.replica_config import ReplicaConfig
+from lamina.computenode.server import serve_replica
 from lamina.device import Device
 from lamina.engine.worker import WorkerClient, WorkerTimes
 from lamina.errors import NodeFailure
