@@ -6,8 +6,9 @@ read for a group of requests) runs as two small matrix products per block of key
 step: one row per request) it runs the per-query kernels. The baseline is the same source built
 with the tile threshold above any item (``-DLAMINA_TILE_MIN=1000000``: every item per query), so
 the two differ only in that path. SmolLM2's attention shape (9 q heads, 3 KV heads, head_dim 64),
-float32; each shape cycles over enough layers (slots shuffled in 16-token slabs) that its KV is
-read from memory, as in a model; rounds interleave the two builds.
+float32; each shape cycles over enough layers (slots shuffled in 16-token slabs, pools in huge
+pages as a node's are) that its KV is read from memory, as in a model; rounds interleave the
+two builds.
 
 Shapes: a cascade group (64 decode rows, one per request, over a 2,000-token shared prefix),
 a prefill chunk (512 rows at the end of 2,048 keys, causal), extends (16 requests x 4 rows over
@@ -39,6 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lamina.costmodel.calibration import cpu_name  # noqa: E402
+from lamina.device import huge_page_zeros  # noqa: E402
 from lamina.kernels import cpp_ext  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -61,8 +63,10 @@ def shape_calls(requests: int, rows: int, keys: int, causal: bool, budget: int,
     layer_bytes = requests * keys * KV_HEADS * DIM * 4 * 2
     layers = max(2, min(64, budget // layer_bytes))
     slots = requests * keys
-    k = torch.randn(layers, slots, KV_HEADS, DIM, generator=gen)
-    v = torch.randn(layers, slots, KV_HEADS, DIM, generator=gen)
+    # in huge pages, as KVPool allocates a node's pools (4 KB pages would add a TLB miss to
+    # nearly every slab)
+    k = huge_page_zeros((layers, slots, KV_HEADS, DIM), torch.float32).normal_(generator=gen)
+    v = huge_page_zeros((layers, slots, KV_HEADS, DIM), torch.float32).normal_(generator=gen)
     q = torch.randn(requests * rows, HEADS, DIM, generator=gen)
     qo = torch.arange(requests + 1) * rows
     kvp = torch.arange(requests + 1) * keys
