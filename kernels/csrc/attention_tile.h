@@ -155,10 +155,14 @@ struct Tile {
   // Packs the nh heads' query vectors q[(h * mh + c) * D + d] (pre-scaled float32).
   void begin(const float* q, int64_t nh, int64_t mh_, int64_t D_) {
     D = D_, mh = mh_, ld = (mh + Vec::W - 1) / Vec::W * Vec::W;
-    qt.assign(nh * D * ld, 0.f);
+    qt.resize(nh * D * ld);  // every element written below: rows in order, padding zero
     for (int64_t h = 0; h < nh; ++h)
-      for (int64_t c = 0; c < mh; ++c)
-        for (int64_t d = 0; d < D; ++d) qt[(h * D + d) * ld + c] = q[(h * mh + c) * D + d];
+      for (int64_t d = 0; d < D; ++d) {
+        float* row = qt.data() + (h * D + d) * ld;
+        const float* src = q + h * mh * D + d;
+        for (int64_t c = 0; c < mh; ++c) row[c] = src[c * D];
+        std::fill(row + mh, row + ld, 0.f);
+      }
     mx.assign(nh * ld, -std::numeric_limits<float>::infinity());
     l.assign(nh * ld, 0.f);
     alpha.resize(ld);

@@ -37,7 +37,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attention_tile.h"
@@ -467,10 +469,31 @@ inline void visible_range(const Args& a, int64_t r, int64_t p, int64_t* lo, int6
   *hi = std::max(h, l);
 }
 
+// A vector whose sized construction leaves its elements as they come: the kernels write every
+// scratch element before they read it, so zeroing a scratch sized for the call's largest item,
+// on every thread of every call, was work for nothing.
+template <class T>
+struct NoInit : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = NoInit<U>;
+  };
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+template <class T>
+using Buf = std::vector<T, NoInit<T>>;
+
 // Query vectors of an item, in order (head, row, group member): m = ((h-h0)*rows + t-t0)*G + g.
 struct Scratch {
-  std::vector<float> q, o, s, p, m, l;
-  std::vector<int64_t> lo, hi;
+  Buf<float> q, o, s, p, m, l;
+  Buf<int64_t> lo, hi;
 #if LAMINA_SIMD
   lamina_tile::Tile tile;  // items of many query vectors per KV head (attention_tile.h)
 #endif
