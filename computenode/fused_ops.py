@@ -14,6 +14,14 @@ points each at one kernel of ``kernels/csrc/fused_cpu.cpp``:
   ``f = mul(_to_copy(unsqueeze(pos, 2), float32), inv_freq)`` (the 7 calls per tensor; the
   10 that make the tables go once both q and k use them).
 
+Then two folds of what surrounds those kernels (:data:`FOLDS`), found once the chains are fused:
+
+* ``add_rms_norm``: ``rms_norm(add(a, b), w, eps)``, a residual add and the norm that reads it,
+  as one call returning both (the sum goes on to the next residual add);
+* ``heads``: ``transpose(select(r(transpose(view(x, sizes), 1, 2)), 0, 0), 0, 1)``, with ``r``
+  the fused ``rope`` or nothing: a projection's output as the q, k or v the attention side
+  takes (5 or 4 calls per tensor, three tensors a layer).
+
 A chain matches by structure alone (the graph carries no dtypes): the kernels compute float32
 rows themselves and run the chain's own ATen ops for anything else, so a match never changes
 what a slice computes beyond float rounding (the kernel file says where). Nodes a fused chain no
@@ -21,6 +29,7 @@ longer needs are dropped; a chain whose intermediate values have other users kee
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -117,11 +126,69 @@ def _rope(n: fx.Node) -> tuple | None:
 CHAINS = {"rms_norm": _rms_norm, "silu_mul": _silu_mul, "rope": _rope}
 
 
+def _add_rms_norm(n: fx.Node, ext: Any) -> fx.Node | None:
+    """The ``add`` node whose sum the fused ``rms_norm`` node ``n`` normalises."""
+    if not _call(n, ext.rms_norm, 3):
+        return None
+    s = n.args[0]
+    if _call(s, aten.add.Tensor, 2) and all(isinstance(a, fx.Node) for a in s.args):
+        return s
+    return None
+
+
+def _heads(n: fx.Node, ext: Any) -> tuple | None:
+    """``(x, sizes, pos, inv_freq, scale, half)`` where ``n`` ends a heads chain (``pos`` and
+    ``inv_freq`` None where no rotary embedding sits in it)."""
+    if not (_call(n, aten.transpose.int, 3) and n.args[1:] == (0, 1)):
+        return None
+    sel = n.args[0]
+    if not (_call(sel, aten.select.int, 3) and sel.args[1:] == (0, 0)):
+        return None
+    t, rot = sel.args[0], (None, None, 1.0, 0)
+    if _call(t, ext.rope, 5):
+        t, rot = t.args[0], t.args[1:]
+    if not (_call(t, aten.transpose.int, 3) and t.args[1:] == (1, 2)
+            and _call(t.args[0], aten.view.default, 2)):
+        return None
+    return (*t.args[0].args, *rot)
+
+
+def _fold(gm: fx.GraphModule, node: fx.Node, name: str, ext: Any) -> bool:
+    """Replace ``node``'s chain by ``ext.<name>`` where :data:`FOLDS` matches it."""
+    graph = gm.graph
+    if name == "heads":
+        if (args := _heads(node, ext)) is None:
+            return False
+        with graph.inserting_before(node):
+            node.replace_all_uses_with(graph.call_function(ext.heads, args))
+        graph.erase_node(node)
+        return True
+    if (s := _add_rms_norm(node, ext)) is None:
+        return False
+    between = s.next
+    while between is not node:  # the sum read before its norm: no place for the fold
+        if between in s.users:
+            return False
+        between = between.next
+    with graph.inserting_before(node):
+        both = graph.call_function(ext.add_rms_norm, (*s.args, *node.args[1:]))
+        total = graph.call_function(operator.getitem, (both, 0))
+        normed = graph.call_function(operator.getitem, (both, 1))
+    node.replace_all_uses_with(normed)
+    graph.erase_node(node)
+    s.replace_all_uses_with(total)
+    graph.erase_node(s)
+    return True
+
+
+FOLDS = ("add_rms_norm", "heads")
+
+
 def fuse_small_ops(gm: fx.GraphModule, ext: Any) -> dict[str, int]:
     """Point every chain of ``gm`` in :data:`CHAINS` at the kernel of the same name in ``ext``
-    (the built extension, :func:`lamina.kernels.cpp_ext.load`); in place, recompiled. Returns
-    how many of each were fused."""
-    counts = dict.fromkeys(CHAINS, 0)
+    (the built extension, :func:`lamina.kernels.cpp_ext.load`), then fold :data:`FOLDS`; in
+    place, recompiled. Returns how many of each were fused or folded."""
+    counts = dict.fromkeys((*CHAINS, *FOLDS), 0)
     for node in list(gm.graph.nodes):
         for name, match in CHAINS.items():
             args = match(node)
@@ -133,6 +200,12 @@ def fuse_small_ops(gm: fx.GraphModule, ext: Any) -> dict[str, int]:
             gm.graph.erase_node(node)
             counts[name] += 1
             break
+    gm.graph.eliminate_dead_code()  # the chains' leftovers, which still read their inputs
+    for node in list(gm.graph.nodes):
+        for name in FOLDS:
+            if _fold(gm, node, name, ext):
+                counts[name] += 1
+                break
     if any(counts.values()):
         gm.graph.eliminate_dead_code()
         gm.recompile()

@@ -34,10 +34,11 @@ __all__ = ["NotTranslatable", "native_programs", "slice_program", "step_program"
 
 # opcodes of slice_program.cpp
 ATEN, SIZE, GETITEM, PACKED_LINEAR, QUANT_LINEAR, QUANT_LINEAR_Q8, RMS_NORM, SILU_MUL, ROPE, \
-    GGUF_LINEAR, GGUF_Q8_LINEAR, PACKED_LINEAR_GROUP, GGUF_Q8_LINEAR_GROUP = range(13)
+    GGUF_LINEAR, GGUF_Q8_LINEAR, PACKED_LINEAR_GROUP, GGUF_Q8_LINEAR_GROUP, ADD_RMS_NORM, \
+    HEADS = range(15)
 KERNEL_OPS = {"packed_linear": PACKED_LINEAR, "quant_linear": QUANT_LINEAR,
               "quant_linear_q8": QUANT_LINEAR_Q8, "rms_norm": RMS_NORM, "silu_mul": SILU_MUL,
-              "rope": ROPE}
+              "rope": ROPE, "add_rms_norm": ADD_RMS_NORM}
 _OVERLOAD = {binding: op for op, binding in FAST.items()}  # a binding back to its ATen overload
 # c10::ScalarType codes of the dtypes an exported slice passes
 _SCALAR_TYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
@@ -104,6 +105,9 @@ def _instruction(node: fx.Node, kernels: dict, ext: Any) -> tuple[int, str, str,
         raise NotTranslatable(f"{node.name}: keyword arguments to {target}")
     if target in kernels:
         return kernels[target], "", "", plain
+    if target is getattr(ext, "heads", None):  # (x, sizes, ...): sizes a list of ints
+        return HEADS, "", "", [(a, "List[int]" if i == 1 else None)
+                               for i, a in enumerate(node.args)]
     if target is getattr(ext, "packed_linear_group", None):  # (x, weights, ...): a list
         return PACKED_LINEAR_GROUP, "", "", _group_args(node)
     if target is gguf_linear.gguf_q8_linear_group:

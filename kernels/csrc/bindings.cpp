@@ -72,6 +72,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope,
         "rope(x[B, H, T, D], pos[B, T] int64, inv_freq[D/2], scale, half) -> x * cos + cat(-x[..., half:], x[..., :half]) * sin "
         "(cos/sin of cat(f, f) times scale, f = pos * inv_freq); float32 result laid out [B, T, H, D]", nogil);
+  m.def("add_rms_norm", &add_rms_norm,
+        "add_rms_norm(a, b, w[D], eps) -> (s, rms_norm(s, w, eps)), s = a + b", nogil);
+  m.def("heads", &heads, py::arg("x"), py::arg("sizes"), py::arg("pos"), py::arg("inv_freq"),
+        py::arg("scale"), py::arg("half"),
+        "heads(x, sizes, pos, inv_freq, scale, half) -> transpose(select(r(transpose(view(x, "
+        "sizes), 1, 2)), 0, 0), 0, 1), r = rope(., pos, inv_freq, scale, half) or nothing "
+        "(pos and inv_freq None): a projection's [1, T, H * D] as q/k/v [T, H, D]", nogil);
   m.def("merge_rows", &merge_rows,
         "merge_rows(o[T, H, D], lse[T, H], rows[n] int64, og[n, H, D], lg[n, H]), float32: "
         "rows `rows` of (o, lse) merged in place with (og, lg) by log-sum-exp", nogil);

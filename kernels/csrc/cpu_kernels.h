@@ -51,5 +51,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& a, const at::Tensor& b);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& inv_freq,
                 double scale, int64_t half);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Tensor& b,
+                                                const at::Tensor& w, double eps);
+at::Tensor heads(const at::Tensor& x, const std::vector<int64_t>& sizes,
+                 const c10::optional<at::Tensor>& pos, const c10::optional<at::Tensor>& inv_freq,
+                 double scale, int64_t half);
 void merge_rows(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& rows,
                 const at::Tensor& og, const at::Tensor& lg);

@@ -14,6 +14,15 @@
 //   embedding, x * cos + cat(-x[..., half:], x[..., :half]) * sin with cos/sin =
 //   cos/sin(cat(f, f)) * scale, f = pos * inv_freq (the kernel's case: half = D/2).
 //
+// And two folds of what surrounds them, each the same values as its chain, bit for bit:
+//
+// * add_rms_norm(a, b, w, eps) = (s, rms_norm(s, w, eps)) with s = a + b (a residual add and
+//   the norm that reads it: the sum is computed here instead of by a TensorIterator call);
+// * heads(x, sizes, pos, inv_freq, scale, half) = transpose(select(r(transpose(view(x, sizes),
+//   1, 2)), 0, 0), 0, 1), r = rope(., pos, inv_freq, scale, half) or, with pos None, nothing:
+//   a projection's output [1, T, H * D] as the attention side's q/k/v [T, H, D] (the five
+//   view calls of the chain in one).
+//
 // And one of a memory node's (lamina/kernels/dispatch.py merge_rows): two partial attention
 // states of the same queries merged by log-sum-exp in place (a cascade's prefix and suffix),
 // as lamina/kernels/reference.py merge_rows_ref computes them.
@@ -26,6 +35,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "simd.h"
@@ -175,6 +185,38 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& in
     }
   }
   return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Tensor& b,
+                                                const at::Tensor& w, double eps) {
+  if (a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat || !a.device().is_cpu() ||
+      !b.device().is_cpu() || a.sizes() != b.sizes()) {
+    at::Tensor s = a + b;
+    return {s, rms_norm(s, w, eps)};
+  }
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor s = at::empty_like(ac);
+  const float* pa = ac.data_ptr<float>();
+  const float* pb = bc.data_ptr<float>();
+  float* ps = s.data_ptr<float>();
+  const int64_t n = ac.numel();
+  int64_t i = 0;
+#if LAMINA_SIMD
+  for (; i + Vec::W <= n; i += Vec::W)
+    Vec::store(ps + i, Vec::add(Vec::load(pa + i), Vec::load(pb + i)));
+#endif
+  for (; i < n; ++i) ps[i] = pa[i] + pb[i];
+  return {s, rms_norm(s, w, eps)};
+}
+
+at::Tensor heads(const at::Tensor& x, const std::vector<int64_t>& sizes,
+                 const c10::optional<at::Tensor>& pos, const c10::optional<at::Tensor>& inv_freq,
+                 double scale, int64_t half) {
+  TORCH_CHECK(pos.has_value() == inv_freq.has_value(),
+              "heads: pos and inv_freq go together (both or neither)");
+  at::Tensor t = x.view(sizes).transpose(1, 2);
+  if (pos.has_value()) t = rope(t, *pos, *inv_freq, scale, half);
+  return t.select(0, 0).transpose(0, 1);
 }
 
 // merge_rows(o[T, H, D], lse[T, H], rows[n] int64, og[n, H, D], lg[n, H]), all float32 and

@@ -11,7 +11,8 @@
 //   reaches: same results, bit for bit), its arguments in schema order;
 // * SIZE: t.size(dim) (``aten.sym_size.int``);  GETITEM: element i of a tuple result;
 // * this extension's kernels called directly: PACKED_LINEAR, QUANT_LINEAR, QUANT_LINEAR_Q8,
-//   RMS_NORM, SILU_MUL, ROPE, and GGUF_LINEAR / GGUF_Q8_LINEAR (the choice
+//   RMS_NORM, SILU_MUL, ROPE, ADD_RMS_NORM (a tuple: GETITEM takes it apart), HEADS, and
+//   GGUF_LINEAR / GGUF_Q8_LINEAR (the choice
 //   lamina/computenode/gguf_linear.py's wrappers make, made here the same way); the groups of
 //   linear layers that read one x (lamina/computenode/linear_groups.py), PACKED_LINEAR_GROUP
 //   and GGUF_Q8_LINEAR_GROUP, whose list of outputs GETITEM takes apart.
@@ -44,7 +45,8 @@ namespace {
 
 enum Op : int {
   ATEN = 0, SIZE, GETITEM, PACKED_LINEAR, QUANT_LINEAR, QUANT_LINEAR_Q8, RMS_NORM, SILU_MUL,
-  ROPE, GGUF_LINEAR, GGUF_Q8_LINEAR, PACKED_LINEAR_GROUP, GGUF_Q8_LINEAR_GROUP, NUM_OPS
+  ROPE, GGUF_LINEAR, GGUF_Q8_LINEAR, PACKED_LINEAR_GROUP, GGUF_Q8_LINEAR_GROUP, ADD_RMS_NORM,
+  HEADS, NUM_OPS
 };
 
 // An argument: a register, a constant, or a list built from registers and constants.
@@ -239,6 +241,14 @@ class SliceProgram {
       case ROPE:
         return rope(tensor(g[0], r), tensor(g[1], r), tensor(g[2], r), real(g[3], r),
                     integer(g[4], r));
+      case ADD_RMS_NORM: {  // a, b, w, eps
+        auto [s, y] = add_rms_norm(tensor(g[0], r), tensor(g[1], r), tensor(g[2], r),
+                                   real(g[3], r));
+        return c10::ivalue::Tuple::create(std::move(s), std::move(y));
+      }
+      case HEADS:  // x, sizes, pos, inv_freq, scale, half
+        return heads(tensor(g[0], r), value(g[1], r).toIntVector(), opt_tensor(g[2], r),
+                     opt_tensor(g[3], r), real(g[4], r), integer(g[5], r));
       case GGUF_LINEAR: {  // panels_linear's six, blocks, kind, quant_rows
         const at::Tensor& x = tensor(g[0], r);
         if (x.scalar_type() == at::kFloat && x.numel() <= integer(g[8], r) * x.size(-1))

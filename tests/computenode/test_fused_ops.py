@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lamina.computenode.fused_ops import CHAINS, fuse_small_ops
+from lamina.computenode.fused_ops import CHAINS, FOLDS, fuse_small_ops
 from lamina.kernels import cpp_ext
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "splitter"))
@@ -58,6 +58,37 @@ def test_rope_matches_the_chain_on_a_strided_view(tokens, heads, dim, scale):
     torch.testing.assert_close(got, rope_chain(x, pos, inv, scale), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 576), (1, 5, 32), (3, 7), (0, 16)])
+def test_add_rms_norm_is_the_add_then_the_norm_bitwise(shape):
+    ext = cpp_ext.load()
+    a, b = torch.randn(shape, generator=G), torch.randn(shape, generator=G)
+    w = torch.randn(shape[-1], generator=G)
+    total, normed = ext.add_rms_norm(a, b, w, 1e-5)
+    assert torch.equal(total, a + b) and torch.equal(normed, ext.rms_norm(a + b, w, 1e-5))
+    # broadcasting or another dtype: the chain's own ops
+    total, normed = ext.add_rms_norm(a, b[..., :1], w, 1e-5)
+    assert torch.equal(total, a + b[..., :1])
+    assert torch.equal(normed, ext.rms_norm(a + b[..., :1], w, 1e-5))
+
+
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 9, 64), (5, 3, 16)])
+def test_heads_is_the_view_chain_bitwise(tokens, heads, dim):
+    ext = cpp_ext.load()
+    x = torch.randn(1, tokens, heads * dim, generator=G)
+    pos = torch.randint(0, 4000, (1, tokens), generator=G)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    sizes = [1, tokens, -1, dim]
+    turned = ext.rope(x.view(sizes).transpose(1, 2), pos, inv, 0.5, dim // 2)
+    got = ext.heads(x, sizes, pos, inv, 0.5, dim // 2)
+    want = turned.select(0, 0).transpose(0, 1)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+    got = ext.heads(x, sizes, None, None, 1.0, 0)
+    want = x.view(sizes).transpose(1, 2).select(0, 0).transpose(0, 1)
+    assert torch.equal(got, want) and got.data_ptr() == x.data_ptr()  # a view, as the chain's
+    with pytest.raises(RuntimeError, match="both or neither"):
+        ext.heads(x, sizes, pos, None, 1.0, 0)
+
+
 def test_other_dtypes_run_the_chain_bitwise():
     ext = cpp_ext.load()
     x = torch.randn(3, 16, generator=G).bfloat16()
@@ -86,7 +117,7 @@ def test_fused_split_model_computes_the_same(arch):
     ids, pos, rows = torch.tensor([5, 9, 33, 2, 7]), torch.arange(3, 8), torch.tensor([4])
     before = sm.forward(ids, pos, rows, attend)
     calls = sum(1 for gm in sm.slices for n in gm.graph.nodes if n.op == "call_function")
-    counts = dict.fromkeys(CHAINS, 0)
+    counts = dict.fromkeys((*CHAINS, *FOLDS), 0)
     for gm in sm.slices:
         for name, n in fuse_small_ops(gm, cpp_ext.load()).items():
             counts[name] += n
@@ -95,10 +126,15 @@ def test_fused_split_model_computes_the_same(arch):
     fewer = calls - sum(1 for gm in sm.slices for n in gm.graph.nodes if n.op == "call_function")
     layers = 2  # tiny_config
     if arch in ("llama", "qwen2", "mistral", "phi3"):  # RMSNorm, SwiGLU, rotate-half RoPE
-        assert counts == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope": 2 * layers}
-        assert fewer >= 20 * layers
-    elif arch in ("gpt2", "opt"):  # LayerNorm, GELU/ReLU, no rotary: nothing to fuse
-        assert counts == dict.fromkeys(CHAINS, 0) and fewer == 0
+        # every norm but the first reads a residual add; q, k and v of every layer as heads
+        # (phi3's fused projection: q and k slice it before they turn, v alone is folded)
+        heads = layers if arch == "phi3" else 3 * layers
+        assert counts == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope": 2 * layers,
+                          "add_rms_norm": 2 * layers, "heads": heads}
+        assert fewer >= 25 * layers
+    elif arch in ("gpt2", "opt"):  # LayerNorm, GELU/ReLU, no rotary: the heads alone
+        assert counts == {**dict.fromkeys((*CHAINS, *FOLDS), 0), "heads": 3 * layers}
+        assert fewer == 9 * layers  # view, transpose, select, transpose -> heads
 
 
 def test_replica_fuses_its_cpu_slices():
@@ -108,4 +144,4 @@ def test_replica_fuses_its_cpu_slices():
     targets = {n.target for gm in replica.split.slices for n in gm.graph.nodes
                if n.op == "call_function"}
     ext = cpp_ext.load()
-    assert {ext.rms_norm, ext.silu_mul, ext.rope} <= targets
+    assert {ext.rms_norm, ext.silu_mul, ext.add_rms_norm, ext.heads} <= targets
