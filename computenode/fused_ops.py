@@ -153,16 +153,18 @@ def _heads(n: fx.Node, ext: Any) -> tuple | None:
     return (*t.args[0].args, *rot)
 
 
-def _fold(gm: fx.GraphModule, node: fx.Node, name: str, ext: Any) -> bool:
-    """Replace ``node``'s chain by ``ext.<name>`` where :data:`FOLDS` matches it."""
-    graph = gm.graph
-    if name == "heads":
-        if (args := _heads(node, ext)) is None:
-            return False
-        with graph.inserting_before(node):
-            node.replace_all_uses_with(graph.call_function(ext.heads, args))
-        graph.erase_node(node)
-        return True
+def _fold_heads(graph: fx.Graph, node: fx.Node, ext: Any) -> bool:
+    """Replace the heads chain that ``node`` ends by one ``ext.heads`` call."""
+    if (args := _heads(node, ext)) is None:
+        return False
+    with graph.inserting_before(node):
+        node.replace_all_uses_with(graph.call_function(ext.heads, args))
+    graph.erase_node(node)
+    return True
+
+
+def _fold_add_rms_norm(graph: fx.Graph, node: fx.Node, ext: Any) -> bool:
+    """Replace the fused norm ``node`` and the add it reads by one ``ext.add_rms_norm`` call."""
     if (s := _add_rms_norm(node, ext)) is None:
         return False
     between = s.next
@@ -181,7 +183,7 @@ def _fold(gm: fx.GraphModule, node: fx.Node, name: str, ext: Any) -> bool:
     return True
 
 
-FOLDS = ("add_rms_norm", "heads")
+FOLDS = {"add_rms_norm": _fold_add_rms_norm, "heads": _fold_heads}
 
 
 def fuse_small_ops(gm: fx.GraphModule, ext: Any) -> dict[str, int]:
@@ -202,8 +204,8 @@ def fuse_small_ops(gm: fx.GraphModule, ext: Any) -> dict[str, int]:
             break
     gm.graph.eliminate_dead_code()  # the chains' leftovers, which still read their inputs
     for node in list(gm.graph.nodes):
-        for name in FOLDS:
-            if _fold(gm, node, name, ext):
+        for name, fold in FOLDS.items():
+            if fold(gm.graph, node, ext):
                 counts[name] += 1
                 break
     if any(counts.values()):
