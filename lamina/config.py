@@ -134,11 +134,13 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching: at most ``max_num_seqs`` requests running, ``max_num_batched_tokens``
-    tokens per step (the chunked-prefill budget); ``max_model_len``: the model's context (None:
-    the model's own, filled in when the model is loaded)."""
+    tokens per step (the chunked-prefill budget; 2048 as vLLM's CPU server: a batch of long
+    prompts gets its first tokens close together, so its requests decode together instead of
+    the first ones finishing while the last still prefill); ``max_model_len``: the model's
+    context (None: the model's own, filled in when the model is loaded)."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # chunked-prefill token budget per step
+    max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
     max_model_len: int | None = None
 
 
