@@ -178,6 +178,25 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_indices
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
+def check_pools(q_dtype: torch.dtype, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """Raises ValueError unless the kernel reads both pools as they are: a pool in q's dtype
+    (or bfloat16 for float32 queries) with no scale, or an 8-bit pool (int8, float8 e4m3)
+    with contiguous float32 scales ``[S, Hkv]``."""
+    S, Hkv = k_pool.shape[:2]
+    for pool, sc, name in ((k_pool, k_scale, "k"), (v_pool, v_scale, "v")):
+        eight = pool.dtype in (torch.int8, torch.float8_e4m3fn)
+        if eight != (sc is not None) or not (eight or pool.dtype == q_dtype or (
+                pool.dtype == torch.bfloat16 and q_dtype == torch.float32)):
+            raise ValueError(f"paged_attention: a {pool.dtype} {name}_pool with "
+                             f"{'no' if sc is None else 'a'} {name}_scale for {q_dtype} queries "
+                             "(8-bit pools need scales, float pools q's dtype or bfloat16)")
+        if sc is not None and (sc.dtype != torch.float32 or tuple(sc.shape) != (S, Hkv)
+                               or not sc.is_contiguous()):
+            raise ValueError(f"paged_attention: {name}_scale must be contiguous float32 "
+                             f"[S, Hkv] = {(S, Hkv)}")
+
+
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, q_positions: torch.Tensor,
@@ -207,17 +226,7 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                          f"D={spec.head_dim})")
     if v_pool.shape != k_pool.shape:
         raise ValueError("paged_attention: k_pool and v_pool differ in shape")
-    for pool, sc, name in ((k_pool, k_scale, "k"), (v_pool, v_scale, "v")):
-        eight = pool.dtype in (torch.int8, torch.float8_e4m3fn)
-        if eight != (sc is not None) or not (eight or pool.dtype == q.dtype or (
-                pool.dtype == torch.bfloat16 and q.dtype == torch.float32)):
-            raise ValueError(f"paged_attention: a {pool.dtype} {name}_pool with "
-                             f"{'no' if sc is None else 'a'} {name}_scale for {q.dtype} queries "
-                             "(8-bit pools need scales, float pools q's dtype or bfloat16)")
-        if sc is not None and (sc.dtype != torch.float32 or tuple(sc.shape) != (S, Hkv)
-                               or not sc.is_contiguous()):
-            raise ValueError(f"paged_attention: {name}_scale must be contiguous float32 "
-                             f"[S, Hkv] = {(S, Hkv)}")
+    check_pools(q.dtype, k_pool, v_pool, k_scale, v_scale)
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"paged_attention: unsupported dtype {q.dtype}")
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):

@@ -38,7 +38,7 @@ import torch
 import triton
 
 from lamina.kernels import plan_cache
-from lamina.kernels.triton_attention import launch, paged_attention_triton
+from lamina.kernels.triton_attention import check_pools, launch, paged_attention_triton
 from lamina.kernels.triton_plan import _LaunchPlan, host_plan
 from lamina.types import AttentionSpec
 
@@ -200,30 +200,49 @@ def _load(fam: Family, plan: StepPlan, kv_indices: torch.Tensor, q_positions: to
     fam.loaded = (plan, tensors, versions)
 
 
-def _run(fam: Family, k_pool: torch.Tensor, v_pool: torch.Tensor, spec: AttentionSpec) -> None:
+def _run(fam: Family, spec: AttentionSpec, pools: tuple) -> None:
     """The captured work: zero-fill (unsplit plans leave rows of key-less requests unwritten),
-    the kernel, the merge."""
+    the kernel, the merge. ``pools``: ``(k_pool, v_pool, k_scale, v_scale)``, scales None for
+    pools in q's dtype."""
     if not fam.lp.cover:
         fam.o.zero_()
         fam.lse.fill_(float("-inf"))
-    launch(fam.q, k_pool, v_pool, fam.index, fam.q_pos, fam.kv_start, fam.lp, fam.o, fam.lse,
-           spec)
+    launch(fam.q, *pools[:2], fam.index, fam.q_pos, fam.kv_start, fam.lp, fam.o, fam.lse,
+           spec, *pools[2:])
 
 
-def _replay(fam: Family, k_pool: torch.Tensor, v_pool: torch.Tensor,
-            spec: AttentionSpec) -> None:
+def _replay(fam: Family, spec: AttentionSpec, pools: tuple) -> None:
+    """Runs :func:`_run` from the family's graph for these pools, captured at first use: one
+    graph per layer, keyed by what the launch bakes in (the addresses, strides and dtypes of
+    the pools and, for 8-bit ones, of their scales)."""
     if not fam.q.is_cuda:  # the interpreter: the same padded launch, eagerly
-        _run(fam, k_pool, v_pool, spec)
+        _run(fam, spec, pools)
         return
-    key = (k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(), v_pool.stride())
+    key = tuple((t.data_ptr(), t.stride(), t.dtype) for t in pools if t is not None)
     graph = fam.graphs.get(key)
     if graph is None:
-        _run(fam, k_pool, v_pool, spec)  # compiles the kernels outside the capture
+        _run(fam, spec, pools)  # compiles the kernels outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            _run(fam, k_pool, v_pool, spec)
+            _run(fam, spec, pools)
         fam.graphs[key] = graph
     graph.replay()
+
+
+def _readable(q: torch.Tensor, pools: tuple) -> bool:
+    """Whether the launch reads ``pools`` (see :func:`_run`) as they are: contiguous rows in
+    formats :func:`~lamina.kernels.triton_attention.check_pools` accepts. Pools in q's dtype,
+    the common case, are answered without it: it costs microseconds of host time a call."""
+    k_pool, v_pool, k_scale, v_scale = pools
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        return False
+    if k_scale is None and v_scale is None and k_pool.dtype == v_pool.dtype == q.dtype:
+        return True
+    try:
+        check_pools(q.dtype, *pools)
+    except ValueError:
+        return False
+    return True
 
 
 def paged_attention_graphed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -236,19 +255,19 @@ def paged_attention_graphed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     """Paged attention from a padded shape's graph; the contract of
     :func:`~lamina.kernels.triton_attention.paged_attention_triton`. Device indptrs, more than
     :data:`MAX_GRAPH_TOKENS` queries, a stream that is capturing, pools whose last dim is
-    strided, or 8-bit pools (``k_scale``/``v_scale``; not captured yet) run the eager kernel."""
-    args = (q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec)
-    if k_scale is not None or v_scale is not None:
-        return paged_attention_triton(*args, k_scale, v_scale)
+    strided, or pools the kernel cannot read as they are run the eager kernel (8-bit pools with
+    their scales are captured too)."""
+    args = (q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec,
+            k_scale, v_scale)
     T, H, D = q.shape
     Hkv = k_pool.shape[1]
     eligible = qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu" \
-        and T <= MAX_GRAPH_TOKENS and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 \
+        and T <= MAX_GRAPH_TOKENS \
         and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) \
         and (H, Hkv, D) == (spec.num_heads, spec.num_kv_heads, spec.head_dim) \
         and k_pool.shape[2] == D and v_pool.shape == k_pool.shape \
-        and k_pool.dtype == v_pool.dtype == q.dtype \
-        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        and _readable(q, (k_pool, v_pool, k_scale, v_scale))
     plan = False
     if eligible:  # (else the eager path runs it, or states what is wrong)
         dev = q.device
@@ -272,5 +291,5 @@ def paged_attention_graphed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         _follow_stream(fam, dev)
     _load(fam, plan, kv_indices, q_positions, kv_start_pos)
     fam.q[:T].copy_(q)
-    _replay(fam, k_pool, v_pool, spec)
+    _replay(fam, spec, (k_pool, v_pool, k_scale, v_scale))
     return fam.results(T)

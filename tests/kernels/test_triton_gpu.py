@@ -34,7 +34,7 @@ def test_triton_cuda_matches_reference(heads, mask, dtype, head_dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_triton_cuda_reads_8bit_pools(name, dtype):
     """KV formats on the GPU: the pool as stored with its scales, against the reference
-    (dequantise, then attend); the graphed entry point runs them eager."""
+    (dequantise, then attend); device indptrs, so the eager kernel (the graphed one below)."""
     from lamina.kernels import paged_attention, paged_attention_ref
     from lamina.kernels.kv_format import kv_format
     fmt = kv_format(name)
@@ -119,6 +119,28 @@ def test_graphed_cuda_matches_reference(heads, mask, dtype):
                 args[1:3] = [torch.randn_like(t.float()).to(dtype) for t in args[1:3]]
             o, lse = triton_graphs.paged_attention_graphed(*args)
             assert_matches(o, lse, *paged_attention_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "k16v8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_graphed_cuda_reads_8bit_pools(name, dtype):
+    """8-bit pools with their scales, captured and replayed (one graph per layer, the scales'
+    addresses baked in with the pools'), against the reference."""
+    from lamina.kernels import paged_attention_ref, triton_graphs
+    from lamina.kernels.kv_format import kv_format
+    fmt = kv_format(name)
+    triton_graphs.clear()
+    case = _host_indptrs(random_case(23, num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype,
+                                     num_requests=(1, 24), max_ctx=2000, max_q=3))
+    for layer in range(2):
+        (kq, ks), (vq, vs) = (fmt.k.quantize(case.k_pool.float() + layer),
+                              fmt.v.quantize(case.v_pool.float() - layer))
+        args = (case.q, fmt.k.view(kq), fmt.v.view(vq), *case.args()[3:])
+        for _ in range(2):  # capture, then replay
+            o, lse = triton_graphs.paged_attention_graphed(*args, k_scale=ks, v_scale=vs)
+            assert_matches(o, lse, *paged_attention_ref(*args, k_scale=ks, v_scale=vs), dtype)
+    fams = triton_graphs._LOCAL.families
+    assert len(fams) == 1 and len(next(iter(fams.values())).graphs) == 2
 
 
 def test_graphed_cuda_decode_steps_share_graphs():

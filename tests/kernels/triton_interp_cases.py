@@ -59,9 +59,10 @@ def test_triton_paged_attention_matches_reference(case_id):
     ("int8", torch.bfloat16, 32), ("k16v8", torch.bfloat16, None)])
 def test_triton_reads_8bit_pools_as_the_reference(name, q_dtype, kv_chunk):
     """KV formats (lamina.kernels.kv_format): the pools as stored, scales per token and head;
-    split and unsplit plans; through the graphed entry point too (8-bit pools run eager)."""
+    split and unsplit plans; through the graphed entry point too (its padded launch, which the
+    interpreter runs eagerly)."""
+    from lamina.kernels import triton_graphs
     from lamina.kernels.kv_format import kv_format
-    from lamina.kernels.triton_graphs import paged_attention_graphed
     fmt = kv_format(name)
     case = random_case(700 + len(name), num_heads=6, num_kv_heads=2, head_dim=16,
                        num_requests=(1, 4), max_ctx=200, max_q=6, window=30 if kv_chunk else None)
@@ -70,8 +71,10 @@ def test_triton_reads_8bit_pools_as_the_reference(name, q_dtype, kv_chunk):
     ref_o, ref_lse = paged_attention_ref(*args, k_scale=ks, v_scale=vs)
     o, lse = paged_attention_triton(*args, ks, vs, kv_chunk=kv_chunk, block_n=16)
     assert_matches(o, lse, ref_o, ref_lse, q_dtype)
-    o, lse = paged_attention_graphed(*args, k_scale=ks, v_scale=vs)
+    triton_graphs.clear()
+    o, lse = triton_graphs.paged_attention_graphed(*args, k_scale=ks, v_scale=vs)
     assert_matches(o, lse, ref_o, ref_lse, q_dtype)
+    assert len(triton_graphs._LOCAL.families) == 1  # a family's launch, not the eager path
     with pytest.raises(ValueError, match="8-bit pools need scales"):
         paged_attention_triton(*args)
 
