@@ -202,8 +202,8 @@ def _load(fam: Family, plan: StepPlan, kv_indices: torch.Tensor, q_positions: to
 
 def _run(fam: Family, spec: AttentionSpec, pools: tuple) -> None:
     """The captured work: zero-fill (unsplit plans leave rows of key-less requests unwritten),
-    the kernel, the merge. ``pools``: ``(k_pool, v_pool, k_scale, v_scale)``, scales None for
-    pools in q's dtype."""
+    the kernel, the merge. ``pools``: ``(k_pool, v_pool, k_scale, v_scale)``, a scale None for
+    a float pool (q's dtype, or bfloat16 under float32 queries)."""
     if not fam.lp.cover:
         fam.o.zero_()
         fam.lse.fill_(float("-inf"))
