@@ -259,6 +259,7 @@ def paged_attention_graphed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     their scales are captured too)."""
     args = (q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, q_positions, kv_start_pos, spec,
             k_scale, v_scale)
+    pools = (k_pool, v_pool, k_scale, v_scale)
     T, H, D = q.shape
     Hkv = k_pool.shape[1]
     eligible = qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu" \
@@ -267,7 +268,7 @@ def paged_attention_graphed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         and (H, Hkv, D) == (spec.num_heads, spec.num_kv_heads, spec.head_dim) \
         and k_pool.shape[2] == D and v_pool.shape == k_pool.shape \
         and q.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-        and _readable(q, (k_pool, v_pool, k_scale, v_scale))
+        and _readable(q, pools)
     plan = False
     if eligible:  # (else the eager path runs it, or states what is wrong)
         dev = q.device
@@ -291,5 +292,5 @@ def paged_attention_graphed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         _follow_stream(fam, dev)
     _load(fam, plan, kv_indices, q_positions, kv_start_pos)
     fam.q[:T].copy_(q)
-    _replay(fam, spec, (k_pool, v_pool, k_scale, v_scale))
+    _replay(fam, spec, pools)
     return fam.results(T)
