@@ -82,13 +82,16 @@ inline void qk_tail(int n, const float* const* k, const float* qt, int64_t D, in
   }
 }
 
-// o[mm * D + v * W + i] += sum_j p[j * ld + mm] * vrow[j][v * W + i], mm < MB, v < DV, j < nb.
+// o[mm * D + x] = a[mm] * o[mm * D + x] + sum_j p[j * ld + mm] * vrow[j][x], x = v * W + i,
+// mm < MB, v < DV, j < nb (a[mm]: the block's rescale of query mm's earlier sum).
 template <int MB, int DV>
 inline void pv_tile(const float* p, int64_t ld, const float* const* vrow, int nb, float* o,
-                    int64_t D) {
+                    int64_t D, const float* a) {
   Vec::R acc[MB][DV];
-  for (int mm = 0; mm < MB; ++mm)
-    for (int v = 0; v < DV; ++v) acc[mm][v] = Vec::load(o + mm * D + v * Vec::W);
+  for (int mm = 0; mm < MB; ++mm) {
+    const Vec::R am = Vec::set1(a[mm]);
+    for (int v = 0; v < DV; ++v) acc[mm][v] = Vec::mul(Vec::load(o + mm * D + v * Vec::W), am);
+  }
   for (int j = 0; j < nb; ++j) {
     Vec::R x[DV];
     for (int v = 0; v < DV; ++v) x[v] = Vec::load(vrow[j] + v * Vec::W);
@@ -104,25 +107,25 @@ inline void pv_tile(const float* p, int64_t ld, const float* const* vrow, int nb
 // MB queries' rows of o over the whole head dim.
 template <int MB>
 inline void pv_rows(const float* p, int64_t ld, const float* const* vrow, int nb, float* o,
-                    int64_t D) {
+                    int64_t D, const float* a) {
   const float* v[kRowsMax];
   int64_t d = 0;
   for (; d + kQV * Vec::W <= D; d += kQV * Vec::W) {
     for (int j = 0; j < nb; ++j) v[j] = vrow[j] + d;
-    pv_tile<MB, kQV>(p, ld, v, nb, o + d, D);
+    pv_tile<MB, kQV>(p, ld, v, nb, o + d, D, a);
   }
   for (; d < D; d += Vec::W) {
     for (int j = 0; j < nb; ++j) v[j] = vrow[j] + d;
-    pv_tile<MB, 1>(p, ld, v, nb, o + d, D);
+    pv_tile<MB, 1>(p, ld, v, nb, o + d, D, a);
   }
 }
 
 template <int N = kKJ - 1>
 inline void pv_tail(int n, const float* p, int64_t ld, const float* const* vrow, int nb,
-                    float* o, int64_t D) {
+                    float* o, int64_t D, const float* a) {
   if constexpr (N >= 1) {
-    if (n == N) return pv_rows<N>(p, ld, vrow, nb, o, D);
-    pv_tail<N - 1>(n, p, ld, vrow, nb, o, D);
+    if (n == N) return pv_rows<N>(p, ld, vrow, nb, o, D, a);
+    pv_tail<N - 1>(n, p, ld, vrow, nb, o, D, a);
   }
 }
 
@@ -209,19 +212,17 @@ struct Tile {
     float_rows(v, voff, nb, nb, D, vpack.data(), zero.data(), vrows.data());
     // A float32 pool's V rows come into L1 during the softmax (a widened block is there).
     softmax(nb, mx.data() + h * ld, l.data() + h * ld, std::is_same_v<VT, float>);
-    for (int64_t c = 0; c < mh; ++c)
-      if (alpha[c] != 1.f)
-        for (int64_t d = 0; d < D; ++d) o[c * D + d] *= alpha[c];
     if (vsc)
       for (int r = 0; r < nb; ++r) scale_row(s + r * ld, vsc[r][head]);
     int64_t c = 0;
     for (; c + kKJ <= mh; c += kKJ) {
       step();
-      pv_rows<kKJ>(s + c, ld, vrows.data(), nb, o + c * D, D);
+      pv_rows<kKJ>(s + c, ld, vrows.data(), nb, o + c * D, D, alpha.data() + c);
     }
     if (c < mh) {
       step();
-      pv_tail(static_cast<int>(mh - c), s + c, ld, vrows.data(), nb, o + c * D, D);
+      pv_tail(static_cast<int>(mh - c), s + c, ld, vrows.data(), nb, o + c * D, D,
+              alpha.data() + c);
     }
   }
 
@@ -242,25 +243,39 @@ struct Tile {
   // fetch_v: the V rows (vrows) are prefetched into L1 meanwhile, one row per key.
   // A column that has seen only -inf keeps max -inf and weights 0 (its base is -FLT_MAX).
   void softmax(int nb, float* m, float* lsum, bool fetch_v) {
-    float* s = st.data();
-    for (int64_t c = 0; c < ld; c += Vec::W) {
-      Vec::R bmax = Vec::set1(-std::numeric_limits<float>::infinity());
-      for (int r = 0; r < nb; ++r) {
-        if (fetch_v && c == 0) prefetch_row(vrows[r], D);
-        bmax = Vec::max(bmax, Vec::load(s + r * ld + c));
+    int64_t c = 0;
+    for (; c + 4 * Vec::W <= ld; c += 4 * Vec::W) columns<4>(nb, c, m, lsum, fetch_v && c == 0);
+    for (; c < ld; c += Vec::W) columns<1>(nb, c, m, lsum, fetch_v && c == 0);
+  }
+
+  // softmax() on the NV column vectors from c: NV independent max and sum chains (each column's
+  // sum still runs down its rows in order).
+  template <int NV>
+  void columns(int nb, int64_t c, float* m, float* lsum, bool fetch_v) {
+    float* s = st.data() + c;
+    Vec::R bmax[NV], base[NV], sum[NV];
+    for (int v = 0; v < NV; ++v) bmax[v] = Vec::set1(-std::numeric_limits<float>::infinity());
+    for (int r = 0; r < nb; ++r) {
+      if (fetch_v) prefetch_row(vrows[r], D);
+      for (int v = 0; v < NV; ++v) bmax[v] = Vec::max(bmax[v], Vec::load(s + r * ld + v * Vec::W));
+    }
+    for (int v = 0; v < NV; ++v) {
+      base[v] = Vec::max(Vec::max(Vec::load(m + c + v * Vec::W), bmax[v]), Vec::set1(-FLT_MAX));
+      sum[v] = Vec::zero();
+    }
+    for (int r = 0; r < nb; ++r)
+      for (int v = 0; v < NV; ++v) {
+        const Vec::R p = Vec::exp_nonpos(Vec::sub(Vec::load(s + r * ld + v * Vec::W), base[v]));
+        Vec::store(s + r * ld + v * Vec::W, p);
+        sum[v] = Vec::add(sum[v], p);
       }
-      const Vec::R mold = Vec::load(m + c), mnew = Vec::max(mold, bmax);
-      const Vec::R base = Vec::max(mnew, Vec::set1(-FLT_MAX));
-      Vec::R sum = Vec::zero();
-      for (int r = 0; r < nb; ++r) {
-        const Vec::R p = Vec::exp_nonpos(Vec::sub(Vec::load(s + r * ld + c), base));
-        Vec::store(s + r * ld + c, p);
-        sum = Vec::add(sum, p);
-      }
-      const Vec::R a = Vec::exp_nonpos(Vec::sub(mold, base));
-      Vec::store(alpha.data() + c, a);
-      Vec::store(lsum + c, Vec::fmadd(Vec::load(lsum + c), a, sum));
-      Vec::store(m + c, mnew);
+    for (int v = 0; v < NV; ++v) {
+      const int64_t cv = c + v * Vec::W;
+      const Vec::R mold = Vec::load(m + cv), mnew = Vec::max(mold, bmax[v]);
+      const Vec::R a = Vec::exp_nonpos(Vec::sub(mold, base[v]));
+      Vec::store(alpha.data() + cv, a);
+      Vec::store(lsum + cv, Vec::fmadd(Vec::load(lsum + cv), a, sum[v]));
+      Vec::store(m + cv, mnew);
     }
   }
 };
