@@ -253,14 +253,15 @@ struct Tile {
   template <int NV>
   void columns(int nb, int64_t c, float* m, float* lsum, bool fetch_v) {
     float* s = st.data() + c;
-    Vec::R bmax[NV], base[NV], sum[NV];
+    Vec::R bmax[NV], mnew[NV], base[NV], sum[NV];
     for (int v = 0; v < NV; ++v) bmax[v] = Vec::set1(-std::numeric_limits<float>::infinity());
     for (int r = 0; r < nb; ++r) {
       if (fetch_v) prefetch_row(vrows[r], D);
       for (int v = 0; v < NV; ++v) bmax[v] = Vec::max(bmax[v], Vec::load(s + r * ld + v * Vec::W));
     }
     for (int v = 0; v < NV; ++v) {
-      base[v] = Vec::max(Vec::max(Vec::load(m + c + v * Vec::W), bmax[v]), Vec::set1(-FLT_MAX));
+      mnew[v] = Vec::max(Vec::load(m + c + v * Vec::W), bmax[v]);
+      base[v] = Vec::max(mnew[v], Vec::set1(-FLT_MAX));
       sum[v] = Vec::zero();
     }
     for (int r = 0; r < nb; ++r)
@@ -271,11 +272,10 @@ struct Tile {
       }
     for (int v = 0; v < NV; ++v) {
       const int64_t cv = c + v * Vec::W;
-      const Vec::R mold = Vec::load(m + cv), mnew = Vec::max(mold, bmax[v]);
-      const Vec::R a = Vec::exp_nonpos(Vec::sub(mold, base[v]));
+      const Vec::R a = Vec::exp_nonpos(Vec::sub(Vec::load(m + cv), base[v]));
       Vec::store(alpha.data() + cv, a);
       Vec::store(lsum + cv, Vec::fmadd(Vec::load(lsum + cv), a, sum[v]));
-      Vec::store(m + cv, mnew);
+      Vec::store(m + cv, mnew[v]);
     }
   }
 };
