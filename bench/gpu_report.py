@@ -1,13 +1,14 @@
 """The report of ``scripts/gpu-check.sh``: one JSON and one markdown table from its folder.
 
 Reads what the script's steps wrote (``environment.txt``, ``<step>.log``/``.rc``,
-``kernels_cuda.json``, ``gpu_memory/e2e_cuda.json``, ``cpu_memory/e2e_cuda.json``,
-``neo_cuda.json``) and writes
+``kernels_cuda.json``, ``prefix_cuda.json``, ``gpu_memory/e2e_cuda.json``,
+``cpu_memory/e2e_cuda.json``, ``neo_cuda.json``) and writes
 ``gpu_check.json`` and ``gpu_check.md`` next to them. Targets (README "Hardware"): Triton decode
 MBU >= 85 % of the device's spec bandwidth on H100 (judged on the cells with batch >= 32 and
 context >= 2048, where the KV read dominates); CUDA graphs removing launch overhead at batch
 <= 32 (judged by ``lamina-graphs`` vs ``lamina-inproc`` in the e2e runs, the same setup
-without and with graphs, steps interleaved).
+without and with graphs, steps interleaved); decode attention >= 5x less with a shared prefix
+read once per step (issue 45, ``bench/prefix.py``'s attention trace on the GPU).
 
     python bench/gpu_report.py bench/results/gpu_check
 """
@@ -20,8 +21,10 @@ import sys
 from pathlib import Path
 
 PROBES = ("polling_probe_lazy", "polling_probe_eager")
-STEPS = (*PROBES, "pytest_gpu", "kernels", "e2e_gpu_memory", "e2e_cpu_memory", "neo")
+STEPS = (*PROBES, "pytest_gpu", "kernels", "prefix_attention", "e2e_gpu_memory",
+         "e2e_cpu_memory", "neo")
 NEO_TARGET = 1.3  # issue 41: NEO's layout / the GPU alone where the GPU's KV does not fit
+PREFIX_TARGET = 5.0  # issue 45: decode attention per step, uncached / prefix read once
 MBU_TARGET = 0.85
 
 
@@ -70,6 +73,11 @@ def summarise(d: Path) -> dict:
                 "mbu_median_large": statistics.median(mbus) if mbus else None,
                 "mbu_batch1_long": b1, "mbu_target": MBU_TARGET,
                 "met": bool(mbus) and statistics.median(mbus) >= MBU_TARGET}
+    pre = (_read_json(d / "prefix_cuda.json") or {}).get("attention")
+    if pre:
+        out["prefix_attention"] = {k: pre[k] for k in ("uncached", "shared, per request", "cached")}
+        out["prefix_attention"] |= {"ratio": pre["uncached"] / pre["cached"],
+                                    "target": PREFIX_TARGET}
     for layout in ("gpu_memory", "cpu_memory"):
         e = _read_json(d / layout / "e2e_cuda.json")
         if e:
@@ -131,6 +139,12 @@ def markdown(s: dict) -> str:
         lines += ["", f"Median MBU at batch >= 32, ctx >= 2048: "
                       f"{'n/a' if med is None else f'{100 * med:.0f}%'} (target {100 * MBU_TARGET:.0f}%: "
                       f"{'met' if k['met'] else 'missed'}); batch 1, ctx >= 8192: {b1} (target 60%)."]
+    if s.get("prefix_attention"):
+        p = s["prefix_attention"]
+        lines += ["", f"Decode attention with a shared prefix (64 requests x 2,000 + 50 positions, "
+                      f"ms per step of 30 layers): uncached {p['uncached']:.2f}, prefix slots shared "
+                      f"{p['shared, per request']:.2f}, read once per step {p['cached']:.2f}: "
+                      f"{p['ratio']:.2f}x less (target {p['target']:.0f}x)."]
     for layout, title in (("gpu_memory", "memory nodes on the GPU"), ("cpu_memory", "memory nodes on the CPU (NEO)")):
         rows = s.get(f"e2e_{layout}")
         if rows:

@@ -9,7 +9,8 @@
   having its first token to the last; uncached, the requests run one after another and there
   is no such window). Greedy outputs of the two setups must be equal.
 * **attention**: decode attention alone on one memory node, the same shape, three KV layouts
-  (:func:`run_attention`): what "the prefix read once per step" saves.
+  (:func:`run_attention`): what "the prefix read once per step" saves. The node is on
+  ``--attention-device`` (default ``cpu``; ``cuda`` puts it on the GPU, the Triton kernels).
 * **chat**: ``--conversations`` conversations (default 8) of ``--turns`` turns (default 6)
   through the OpenAI server (``/v1/chat/completions``, streamed, uvicorn on 127.0.0.1, the
   conversations side by side): a first user message of ~``--first-len`` tokens (default 400),
@@ -19,8 +20,9 @@
 
 Each setup is a fresh ``LLM`` (empty cache) on ``--device`` with one in-process memory node;
 ``--rounds R`` interleaves the setups R times and reports each one's median round, with the
-per-round ratios. Writes ``bench/results/prefix_cpu.{json,md}`` (``--quick``:
-``prefix_cpu_quick.*``). Nothing is asserted about speed.
+per-round ratios. Writes ``prefix_cpu.{json,md}`` (``prefix_cuda.*`` where ``--device`` or
+``--attention-device`` is a GPU; ``--quick``: ``..._quick.*``) to ``--out`` (default
+``bench/results``). Nothing is asserted about speed.
 
     python bench/prefix.py --quick
     python bench/prefix.py                  # the README's table
@@ -93,8 +95,8 @@ def run_shared(args, cached: bool) -> dict:
 
 
 def run_attention(args) -> dict:
-    """Decode attention alone, on one memory node in this process (SmolLM2's shapes, float32,
-    ``torch`` threads = ``--threads``): ``--requests`` requests at ``--prefix + --suffix``
+    """Decode attention alone, on one memory node in this process on ``--attention-device``
+    (SmolLM2's shapes, float32, ``torch`` threads = ``--threads``): ``--requests`` requests at ``--prefix + --suffix``
     positions, each with its own slots (``uncached``) or sharing the prefix's slots as the
     prefix cache leaves them (``cached``: the step's cascade reads the prefix once; ``shared,
     per request``: the same slots with the cascade off). Each node attends as an in-process
@@ -109,6 +111,10 @@ def run_attention(args) -> dict:
     from lamina.memnode.native import plane_for
     from lamina.types import AttendMsg, AttentionSpec, KVChunk, PrepareMsg, ShardWork
 
+    dev = torch.device(args.attention_device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--attention-device {dev}: torch sees no CUDA device")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.set_num_threads(args.threads)
     L, H, HKV, D = 30, 9, 3, 64
     specs = [AttentionSpec(layer=i, num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D ** -0.5)
@@ -121,7 +127,8 @@ def run_attention(args) -> dict:
 
     nodes = {}
     for layout in ("uncached", "cached"):
-        node = MemoryNode(specs, R * (P + S + args.reps + 1) + P, dtype=torch.float32)
+        node = MemoryNode(specs, R * (P + S + args.reps + 1) + P, dtype=torch.float32,
+                          device=dev)
         node.plane = plane_for(node)
         if layout == "cached":
             node.import_kv(KVChunk(-1, 0, kv(P), kv(P)))
@@ -140,12 +147,12 @@ def run_attention(args) -> dict:
             node = nodes["uncached" if name == "uncached" else "cached"]
             pos = node.shard(0)[1]
             step += 1
-            msgs = [AttendMsg(step, spec.layer, torch.randn(R, H, D, generator=g),
-                              torch.randn(R, HKV, D, generator=g),
-                              torch.randn(R, HKV, D, generator=g)) for spec in specs]
+            msgs = [AttendMsg(step, spec.layer, *(torch.randn(R, n, D, generator=g).to(dev)
+                                                  for n in (H, HKV, HKV))) for spec in specs]
             saved = cascade.MIN_SAVED
             if name == "shared, per request":  # no group is worth a cascade: none is planned
                 cascade.MIN_SAVED = float("inf")
+            sync()
             t0 = time.perf_counter()
             try:
                 node.prepare(PrepareMsg(step, [ShardWork(r, pos, 1, pos, 1) for r in range(R)]))
@@ -153,6 +160,7 @@ def run_attention(args) -> dict:
                 cascade.MIN_SAVED = saved
             for msg in msgs:
                 node.attend(msg)
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) * 1000 for name, t in times.items()} | {
         "spread_ms": {name: [min(t) * 1000, max(t) * 1000] for name, t in times.items()},
@@ -235,7 +243,7 @@ def run_chat(args, cached: bool) -> dict:
             "cached_tokens_by_turn": [sum(cached_tokens[t]) for t in range(args.turns)]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--device", default="cpu:0-1")
@@ -253,13 +261,18 @@ def main() -> None:
     p.add_argument("--first-len", type=int, default=400)
     p.add_argument("--reply-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--attention-device", default="cpu",
+                   help="attention: the memory node's device (cuda: the Triton kernels)")
     p.add_argument("--threads", type=int, default=2, help="attention: the node's torch threads")
     p.add_argument("--reps", type=int, default=5, help="attention: decode steps per layout")
     p.add_argument("--traces", nargs="+", default=["attention", "shared", "chat"],
                    choices=["attention", "shared", "chat"])
     p.add_argument("--quick", action="store_true",
                    help="8 requests x (200 + 20), 8 new tokens; 2 conversations x 3 turns")
-    args = p.parse_args()
+    p.add_argument("--out", default=str(RESULTS), help="the folder for the results")
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+    args.command = " ".join(["python bench/prefix.py", *argv])
     if args.quick:
         args.requests, args.prefix, args.suffix, args.max_tokens = 8, 200, 20, 8
         args.conversations, args.turns, args.first_len, args.reply_tokens = 2, 3, 60, 8
@@ -311,13 +324,14 @@ def summarise(args, rounds) -> dict:
 
 def write(args, s: dict) -> None:
     lines = [f"# Prefix caching, with and without ({s['machine']})", "",
-             f"`python bench/prefix.py{' --quick' if args.quick else ''}"
-             f"{f' --rounds {args.rounds}' if args.rounds != 1 else ''}`, device {args.device}, "
-             f"one in-process memory node; {args.rounds} round(s), median round shown.", ""]
+             f"`{args.command}`, device {args.device}, one in-process memory node; "
+             f"{args.rounds} round(s), median round shown.", ""]
     if "attention" in s:
         a = s["attention"]
+        where = (f"{args.threads} threads" if args.attention_device == "cpu"
+                 else args.attention_device)
         lines += [f"## Decode attention, {args.requests} requests x ({args.prefix} shared + "
-                  f"{args.suffix} own positions), one node, {args.threads} threads", "",
+                  f"{args.suffix} own positions), one node, {where}", "",
                   "| KV layout | ms per decode step (30 layers), median | min-max | vs uncached |",
                   "|---|---:|---:|---:|"]
         for name in ("uncached", "shared, per request", "cached"):
@@ -362,10 +376,12 @@ def write(args, s: dict) -> None:
                   + ", ".join(f"{x:.2f}" for x in c["ttft_by_turn_s"])
                   + ". Cached prompt tokens by turn (usage.prompt_tokens_details): "
                   + ", ".join(str(x) for x in c["cached_tokens_by_turn"]) + ".", ""]
-    name = "prefix_cpu_quick" if args.quick else "prefix_cpu"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.md").write_text("\n".join(lines))
-    (RESULTS / f"{name}.json").write_text(json.dumps(s, indent=1, default=str))
+    gpu = any(d.startswith("cuda") for d in (args.device, args.attention_device))
+    name = f"prefix_{'cuda' if gpu else 'cpu'}{'_quick' if args.quick else ''}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text("\n".join(lines))
+    (out / f"{name}.json").write_text(json.dumps(s, indent=1, default=str))
     print("\n".join(lines))
 
 

@@ -5,15 +5,19 @@
 #   1. pytest -m gpu                     (Triton kernels compiled, device polling, CUDA wire)
 #   2. bench/kernels.py --device cuda    (Triton decode attention: GB/s, % of copy, MBU vs the
 #                                         device's spec bandwidth; batch 1..256 x ctx 512..32k)
-#   3. bench/e2e.py --device cuda:0      (decode tok/s: memory nodes on the CPU = NEO's layout,
+#   3. bench/prefix.py --traces attention --attention-device cuda
+#                                        (issue 45's row: decode attention of 64 requests
+#                                         sharing a 2,000-token prefix, read once per step by
+#                                         the Triton cascade, against each request its own KV)
+#   4. bench/e2e.py --device cuda:0      (decode tok/s: memory nodes on the CPU = NEO's layout,
 #                                         then on the GPU), each against HF on the GPU, and
 #                                         in-process with vs without CUDA graphs, processes
 #                                         with vs without device-side polling, and whole
 #                                         decode steps as one graph each (memory nodes in
 #                                         process and in processes of their own)
-#   4. bench/neo.py --device cuda:0      (NEO's layout against the GPU alone where the GPU's
+#   5. bench/neo.py --device cuda:0      (NEO's layout against the GPU alone where the GPU's
 #                                         pool holds a quarter of the KV: issue 41's last row)
-#   5. bench/gpu_report.py               (one JSON + one markdown table of all of it)
+#   6. bench/gpu_report.py               (one JSON + one markdown table of all of it)
 # Output: $OUT/gpu_check/ when $OUT is set (the device tool's folder), else
 # bench/results/gpu_check/. Exit status: 0 all steps ran, 1 a step failed, 2 no GPU.
 # Model: the builtin smollm2 where its GGUF is installed, else `lamina.models:smollm2_shaped`
@@ -51,9 +55,9 @@ if [ -z "$MODEL" ]; then
 fi
 echo "model: $MODEL" | tee -a "$DIR/environment.txt"
 if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
-    KQ=(--quick); EB=(--batches 8 --steps 8); echo "mode: quick (smoke run)" | tee -a "$DIR/environment.txt"
+    KQ=(--quick); EB=(--batches 8 --steps 8); PQ=(--reps 2); echo "mode: quick (smoke run)" | tee -a "$DIR/environment.txt"
 else
-    KQ=(--reps 5); EB=(--batches ${GPU_CHECK_BATCHES:-1 8 32 64} ${GPU_CHECK_STEPS:+--steps "$GPU_CHECK_STEPS"})
+    KQ=(--reps 5); PQ=(--reps 5); EB=(--batches ${GPU_CHECK_BATCHES:-1 8 32 64} ${GPU_CHECK_STEPS:+--steps "$GPU_CHECK_STEPS"})
 fi
 PYT=(-m gpu -q -p no:cacheprovider -rs)
 python -c "import xdist" 2>/dev/null && PYT+=(-n 8)            # Triton compiles in parallel
@@ -83,6 +87,7 @@ elif [ "$(cat "$DIR/pytest_gpu.rc")" != 0 ]; then
     POLL=(); echo "e2e without --device-polling: pytest -m gpu failed" | tee -a "$DIR/environment.txt"
 fi
 step kernels python bench/kernels.py --device cuda "${KQ[@]}" --out "$DIR"
+step prefix_attention python bench/prefix.py --traces attention --attention-device cuda "${PQ[@]}" --out "$DIR"
 step e2e_cpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory-device cpu --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/cpu_memory"
 step e2e_gpu_memory python bench/e2e.py --model "$MODEL" --device cuda:0 --memory 1 "${EB[@]}" --cuda-graphs "${POLL[@]}" --out "$DIR/gpu_memory"
 NQ=(); [ "${GPU_CHECK_QUICK:-0}" = 1 ] && NQ=(--quick)

@@ -44,8 +44,11 @@ def test_report_summarises_the_steps(tmp_path):
          "vs_hf": 1.2, "vs_lamina-graphs": 0.93}]}))
     (tmp_path / "neo_cuda.json").write_text(json.dumps({
         "meta": {"fits_alone": 0.25}, "rows": [], "offload_vs_alone": 0.99, "ratios": [1.09, 0.89]}))
+    (tmp_path / "prefix_cuda.json").write_text(json.dumps({"attention": {
+        "uncached": 3.0, "shared, per request": 2.0, "cached": 0.5, "spread_ms": {}}}))
     assert gpu_report.main([str(tmp_path)]) == 0
     s = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert s["prefix_attention"]["ratio"] == pytest.approx(6.0)
     assert s["steps"]["e2e_gpu_memory"]["rc"] == "1" and s["steps"]["e2e_cpu_memory"]["rc"] == "not run"
     tri, graph = s["kernels"]["triton"], s["kernels"]["triton_graph"]
     assert tri["mbu_median_large"] == pytest.approx(0.86)  # batch >= 32, ctx >= 2048 only
@@ -54,6 +57,7 @@ def test_report_summarises_the_steps(tmp_path):
     assert "e2e_gpu_memory" not in s and s["e2e_cpu_memory"][0]["vs_hf"] == 0.9
     md = (tmp_path / "gpu_check.md").read_text()
     assert "Median MBU" in md and "86%" in md and "NEO" in md
+    assert "read once per step 0.50: 6.00x less (target 5x)" in md
     assert "triton_graph" in md and "batch 1, ctx >= 8192: 62%" in md
     assert s["cuda_graph_gain_cpu_memory"] == {"8": 1.4}
     assert "cpu_memory: batch 8 1.40x" in md
