@@ -96,13 +96,14 @@ def run_shared(args, cached: bool) -> dict:
 
 def run_attention(args) -> dict:
     """Decode attention alone, on one memory node in this process on ``--attention-device``
-    (SmolLM2's shapes, float32, ``torch`` threads = ``--threads``): ``--requests`` requests at ``--prefix + --suffix``
-    positions, each with its own slots (``uncached``) or sharing the prefix's slots as the
-    prefix cache leaves them (``cached``: the step's cascade reads the prefix once; ``shared,
-    per request``: the same slots with the cascade off). Each node attends as an in-process
-    instance's does: through its native plane where it has one. Times PREPARE plus one ATTEND
-    per layer of a decode step (the step's q, k, v made before the clock starts), ``--reps``
-    steps per layout, layouts interleaved, once both nodes' pools are committed."""
+    (SmolLM2's shapes, float32, ``torch`` threads = ``--threads``): ``--requests`` requests at
+    ``--prefix + --suffix`` positions, each with its own slots (``uncached``) or sharing the
+    prefix's slots as the prefix cache leaves them (``cached``: the step's cascade reads the
+    prefix once; ``shared, per request``: the same slots with the cascade off). Each node
+    attends as an in-process instance's does: through its native plane where it has one. Times
+    PREPARE plus one ATTEND per layer of a decode step (the step's q, k, v made before the clock
+    starts), ``--reps`` steps per layout, layouts interleaved, once both nodes' pools are
+    committed."""
     import torch
 
     from lamina.device import wait_populated
